@@ -1,0 +1,107 @@
+"""b12x-inductor: paged GQA attention as a torch.library op, with an Inductor lowering that picks the
+decode, verify or extend plan at compile time.
+
+    import b12x_inductor as b12x
+    out = b12x.paged_attention(q, k_cache, v_cache, page_table, cache_seqlens)
+
+Follow one call: `paged_attention` (this file) -> `torch.ops.b12x.paged_attention` (ops.py: checks, then
+`select_plan` in plan.py) -> the plan's entry op -> `kernels.run_entry` -> a kernel family. Under
+torch.compile, lowering/paged_attention.py replaces the middle: it selects the plan while compiling and
+emits the entry op call with the plan's constants.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from b12x_inductor import ops as _ops  # noqa: F401  (registers torch.ops.b12x.*)
+from b12x_inductor.plan import Plan, Problem, select_plan
+
+__all__ = ["paged_attention", "write_kv", "select_plan", "Plan", "Problem"]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    *,
+    kv_layout: str = "NHD",
+    causal: bool = True,
+    scale: float | None = None,
+    window_left: int = -1,
+    kv_start: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+):
+    """Paged GQA attention of new queries over a paged KV cache.
+
+    Args:
+        q: [B, S, Hq, D] (S new tokens for each of B requests) or packed [T, Hq, D] with cu_seqlens_q;
+            bf16 or fp16 (fp32 too on CPU); D in 64, 96, 128, 192, 256; last dim contiguous.
+        k_cache, v_cache: kv_layout "NHD": [num_pages, page_size, Hkv, D]; "HND": [num_pages, Hkv,
+            page_size, D]; q's dtype, or float8_e4m3fn under bf16/fp16 q; any strides with D contiguous
+            (views of a combined [num_pages, 2, ...] cache work). Hq must be divisible by Hkv.
+        page_table: int32 [B, max_pages]; request b's j-th page is page_table[b, j].
+        cache_seqlens: int32 [B]; keys in the cache for request b, its new tokens included (written first,
+            e.g. with `write_kv`). Its S_b new queries are the last S_b positions.
+        cu_seqlens_q: int32 [B + 1], packed q only; rows past cu_seqlens_q[-1] are padding (zeros out).
+        causal: query i of request b sees keys j <= L_b - S_b + i; without it all keys j < L_b.
+        scale: logit scale, default D ** -0.5.
+        window_left: >= 0 keeps keys j >= c - window_left (c the causal limit); -1 keeps all.
+        kv_start: int32 [B], first visible key of each request (left padding).
+        sinks: float32 [Hq], attention-sink logits counted in the softmax denominator only.
+        softcap: > 0 applies softcap * tanh(logits / softcap).
+        k_descale, v_descale: float32 scalar, [B] or [B, Hkv]; float8 caches only.
+        return_lse: also return lse, float32 [B, S, Hq] or [T, Hq], natural log, sink included.
+        out: optional contiguous output of q's shape and dtype, written in place.
+
+    Returns:
+        out (q's shape and dtype), or (out, lse) with return_lse. A query with no visible key gets
+        zeros and lse = -inf.
+
+    Bad shapes, dtypes, devices, strides or options raise ValueError / TypeError naming the argument.
+    What only the device knows (page ids, lengths) is checked with B12X_DEBUG=1 (a host sync).
+    """
+    kwargs = dict(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, kv_start=kv_start,
+                  sinks=sinks, softcap=softcap, k_descale=k_descale, v_descale=v_descale)
+    if out is None:
+        out, lse = torch.ops.b12x.paged_attention(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
+                                                  **kwargs)
+    else:
+        lse = torch.ops.b12x.paged_attention_out(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
+                                                 out=out, **kwargs)
+    return (out, lse) if return_lse else out
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    kv_layout: str = "NHD",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Writes new keys and values into a paged cache, in place.
+
+    Args:
+        k, v: [N, Hkv, D], the cache's dtype (or bf16/fp16/fp32 for a float8_e4m3fn cache).
+        k_cache, v_cache: as in `paged_attention`.
+        slot_mapping: int64 [N]; token n goes to slot = page * page_size + offset; slot < 0 skips it.
+        k_scale, v_scale: float32 scalar, [N] or [N, Hkv]; float8 caches store k / k_scale (clamped to
+            the float8 range).
+    """
+    torch.ops.b12x.write_kv(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale,
+                            v_scale=v_scale)
+
+
+from b12x_inductor import lowering as _lowering  # noqa: E402,F401  (registers the Inductor lowering)

@@ -1,0 +1,148 @@
+"""The `torch.ops.b12x` custom ops, their eager implementations and their fake (meta) implementations.
+
+Public ops (what user code and graph passes call):
+- b12x::paged_attention(...) -> (out, lse)           functional; lowered by lowering/paged_attention.py
+- b12x::paged_attention_out(..., out) -> lse         writes a caller's `out`
+- b12x::write_kv(k, v, k_cache, v_cache, slot_mapping, ...) -> ()   mutates the caches in place
+
+Entry ops (one per plan mode; what the lowering emits, with the plan's constants as literals):
+- b12x::paged_attention_{decode,verify,extend}(..., out, lse, scratch, *, options, plan constants) -> ()
+  They write out, lse and scratch, which the caller (eager op or Inductor) allocates.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from b12x_inductor import validate
+from b12x_inductor.plan import MODES, Plan, Problem, select_plan
+
+_lib = torch.library.Library("b12x", "DEF")
+
+_ARGS = (
+    "Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cache_seqlens, "
+    "Tensor? cu_seqlens_q=None, *, str kv_layout=\"NHD\", bool causal=True, float? scale=None, "
+    "int window_left=-1, Tensor? kv_start=None, Tensor? sinks=None, float softcap=0.0, "
+    "Tensor? k_descale=None, Tensor? v_descale=None"
+)
+_ENTRY = (
+    "Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cache_seqlens, "
+    "Tensor? cu_seqlens_q, Tensor? kv_start, Tensor? sinks, Tensor? k_descale, Tensor? v_descale, "
+    "Tensor(a!) out, Tensor(b!) lse, Tensor(c!) scratch, *, str kv_layout, bool causal, float scale, "
+    "int window_left, float softcap, str family, int num_splits, int block_m, int block_n, int num_warps, "
+    "int num_stages"
+)
+_lib.define(f"paged_attention({_ARGS}) -> (Tensor, Tensor)")
+_lib.define(f"paged_attention_out({_ARGS}, Tensor(a!) out) -> Tensor")
+for _mode in MODES:
+    _lib.define(f"paged_attention_{_mode}({_ENTRY}) -> ()")
+_lib.define(
+    "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, *, "
+    "str kv_layout=\"NHD\", Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
+)
+
+plan_for = functools.lru_cache(maxsize=1024)(select_plan)
+
+
+def _options(q, kv_layout, causal, scale, window_left, softcap) -> dict:
+    scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+    return dict(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=float(softcap))
+
+
+def _run_plan(plan: Plan, problem: Problem, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
+              kv_start, sinks, k_descale, v_descale, out, options: dict) -> torch.Tensor:
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=q.device)
+    plan.entry_op(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale,
+                  v_descale, out, lse, scratch, **options, **plan.constants())
+    return lse
+
+
+def _eager(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *, kv_layout="NHD", causal=True,
+           scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=None, v_descale=None,
+           out=None):
+    problem = validate.check_paged_attention(
+        q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_layout=kv_layout, causal=causal,
+        scale=scale, window_left=window_left, kv_start=kv_start, sinks=sinks, softcap=softcap,
+        k_descale=k_descale, v_descale=v_descale, out=out)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = _run_plan(plan_for(problem), problem, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
+                    kv_start, sinks, k_descale, v_descale, out,
+                    _options(q, kv_layout, causal, scale, window_left, softcap))
+    return out, lse
+
+
+@torch.library.impl(_lib, "paged_attention", "CompositeExplicitAutograd")
+def _paged_attention(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, **kw):
+    return _eager(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, **kw)
+
+
+@torch.library.impl(_lib, "paged_attention_out", "CompositeExplicitAutograd")
+def _paged_attention_out(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *, out, **kw):
+    return _eager(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, out=out, **kw)[1]
+
+
+def _fake_check(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, out=None, *, kv_layout="NHD",
+                causal=True, scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=None,
+                v_descale=None):
+    validate.check_paged_attention(
+        q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_layout=kv_layout, causal=causal,
+        scale=scale, window_left=window_left, kv_start=kv_start, sinks=sinks, softcap=softcap,
+        k_descale=k_descale, v_descale=v_descale, out=out, want_problem=False)
+
+
+@torch.library.register_fake("b12x::paged_attention")
+def _paged_attention_fake(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, **kw):
+    _fake_check(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, **kw)
+    out = q.new_empty(q.shape)  # contiguous
+    return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.register_fake("b12x::paged_attention_out")
+def _paged_attention_out_fake(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *, out, **kw):
+    _fake_check(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, out, **kw)
+    return q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _entry(mode: str):
+    def impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale, v_descale,
+             out, lse, scratch, *, kv_layout, causal, scale, window_left, softcap, family, **plan):
+        if validate.debug_enabled():
+            validate.check_device_values(q, k_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, kv_layout)
+        from b12x_inductor.kernels import run_entry
+
+        tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
+                       cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, sinks=sinks, k_descale=k_descale,
+                       v_descale=v_descale)
+        options = dict(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=softcap)
+        run_entry(mode, family, tensors, out=out, lse=lse, scratch=scratch, options=options, plan=plan)
+
+    def fake(*args, **kwargs):
+        return None
+
+    torch.library.impl(_lib, f"paged_attention_{mode}", "CompositeExplicitAutograd")(impl)
+    torch.library.register_fake(f"b12x::paged_attention_{mode}")(fake)
+
+
+for _mode in MODES:
+    _entry(_mode)
+
+
+@torch.library.impl(_lib, "write_kv", "CompositeExplicitAutograd")
+def _write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="NHD", k_scale=None, v_scale=None):
+    validate.check_write_kv(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale,
+                            v_scale=v_scale)
+    if validate.debug_enabled():
+        validate.check_slots(k_cache, slot_mapping, k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2])
+    from b12x_inductor.kernels.torch_impl import write_kv_torch
+
+    write_kv_torch(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale)
+
+
+@torch.library.register_fake("b12x::write_kv")
+def _write_kv_fake(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="NHD", k_scale=None, v_scale=None):
+    validate.check_write_kv(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale,
+                            v_scale=v_scale)

@@ -1,0 +1,145 @@
+"""Compile-time plans: `select_plan` maps the static facts of a call to a frozen `Plan`.
+
+This is the only place that decides how a call runs. The eager op and the Inductor lowering both build a
+`Problem` (shapes, dtypes, layout, page size, device) and ask `select_plan`; the lowering writes the
+returned plan's constants into the generated code as literal arguments of the plan's entry op.
+
+Modes, from static shapes alone:
+- decode:  q [B, 1, Hq, D]
+- verify:  q [B, S, Hq, D] with 2 <= S <= 16 (speculative-decoding drafts checked in one pass)
+- extend:  q [B, S, Hq, D] with S > 16, or packed q [T, Hq, D] with cu_seqlens_q (T is a capacity: the
+           live token counts come from cu_seqlens_q on the device and are never read on the host)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+MAX_VERIFY_LEN = 16
+HEAD_DIMS = (64, 96, 128, 192, 256)
+MODES = ("decode", "verify", "extend")
+FAMILIES = ("torch", "triton", "cute")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """The static facts of one paged-attention call: everything a plan may depend on."""
+
+    batch: int  # B: rows of page_table
+    q_len: int  # S of q [B, S, Hq, D]; for packed q [T, Hq, D], its capacity T
+    packed: bool  # q is [T, Hq, D] with cu_seqlens_q
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    max_pages: int  # columns of page_table: the static KV capacity is max_pages * page_size
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    kv_layout: str  # "NHD" or "HND"
+    device_type: str  # "cpu" or "cuda"
+    sm_count: int = 0  # streaming multiprocessors (cuda)
+    capability: tuple[int, int] = (0, 0)  # compute capability (cuda)
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.max_pages * self.page_size
+
+    @property
+    def mode(self) -> str:
+        if self.packed or self.q_len > MAX_VERIFY_LEN:
+            return "extend"
+        return "decode" if self.q_len == 1 else "verify"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How one bucket of calls runs; every field is a compile-time constant of the generated code."""
+
+    mode: str  # "decode" | "verify" | "extend"
+    family: str  # kernel family: "torch" (vectorized torch), "triton", "cute"
+    num_splits: int  # split-KV partitions per (request, KV head); 1 = no split, no merge
+    block_m: int  # query rows per tile (packed query heads x new tokens in decode/verify)
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+    scratch_bytes: int  # fp32 partial outputs and LSEs of the splits, allocated by the caller
+
+    @property
+    def entry_op(self) -> torch._ops.OpOverload:
+        return getattr(torch.ops.b12x, f"paged_attention_{self.mode}").default
+
+    def constants(self) -> dict:
+        """The plan's fields as keyword arguments of its entry op."""
+        return dict(
+            family=self.family,
+            num_splits=self.num_splits,
+            block_m=self.block_m,
+            block_n=self.block_n,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
+
+
+def split_scratch_bytes(problem: Problem, num_splits: int) -> int:
+    """Bytes of split-KV scratch: fp32 partial outputs [rows, Hq, splits, D] and LSEs [rows, Hq, splits]."""
+    if num_splits <= 1:
+        return 0
+    rows = problem.batch * problem.q_len
+    return rows * problem.num_q_heads * num_splits * (problem.head_dim + 1) * 4
+
+
+@functools.cache
+def device_facts(device: torch.device) -> tuple[int, tuple[int, int]]:
+    """(SM count, compute capability) of a CUDA device; zeros elsewhere."""
+    if device.type != "cuda":
+        return 0, (0, 0)
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, (props.major, props.minor)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _family(problem: Problem) -> str:
+    if problem.device_type != "cuda":
+        return "torch"
+    from b12x_inductor.kernels import triton as triton_kernels
+
+    return "triton" if triton_kernels.supports(problem) else "torch"
+
+
+def select_plan(problem: Problem) -> Plan:
+    """The plan for a problem. Pure: the same Problem always gets the same Plan.
+
+    - family: "torch" off CUDA (and for what no kernel expresses), else the fastest kernel family that
+      supports the problem.
+    - decode / verify: the S x (Hq / Hkv) query rows of one KV head share one tile (block_m rows) and one
+      read of each KV tile; the KV range is split into num_splits partitions so that B x Hkv x splits
+      programs fill the GPU, each partition sized on the device from the live length, then merged.
+    - extend: FlashAttention-2-style causal tiles, no split.
+    """
+    mode = problem.mode
+    family = _family(problem)
+    if family == "torch":
+        return Plan(mode=mode, family="torch", num_splits=1, block_m=0, block_n=0, num_warps=0,
+                    num_stages=0, scratch_bytes=0)
+    d = problem.head_dim
+    if mode == "extend":
+        block_m, block_n = (128, 64) if d <= 128 else (64, 32)
+        return Plan(mode=mode, family=family, num_splits=1, block_m=block_m, block_n=block_n,
+                    num_warps=8 if d <= 128 else 4, num_stages=2, scratch_bytes=0)
+    block_m = max(16, _next_pow2(problem.q_len * problem.group))
+    block_n = 64 if d <= 128 else 32
+    programs = problem.batch * problem.num_kv_heads
+    wanted = -(-2 * max(problem.sm_count, 1) // programs)  # about two waves of programs
+    num_splits = max(1, min(wanted, problem.kv_capacity // 256, 64))
+    return Plan(mode=mode, family=family, num_splits=num_splits, block_m=block_m, block_n=block_n,
+                num_warps=4, num_stages=2, scratch_bytes=split_scratch_bytes(problem, num_splits))

@@ -1,0 +1,212 @@
+"""Fail-closed argument checks shared by the eager ops and their fake (meta) implementations.
+
+Every message names the argument, what was expected and what came. Only static facts (shapes, dtypes,
+devices, strides, options) are checked here, so the same checks run while tracing under torch.compile.
+What only the device knows (page ids, lengths) is checked by `check_device_values` when B12X_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from b12x_inductor.plan import HEAD_DIMS, Problem, device_facts
+
+FP8 = torch.float8_e4m3fn
+Q_DTYPES_CUDA = (torch.bfloat16, torch.float16)
+Q_DTYPES_CPU = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fail(op: str, arg: str, expected: str, got: object, exc: type[Exception] = ValueError) -> None:
+    raise exc(f"{op}: {arg} must be {expected}; got {got}")
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def _check_tensor(op: str, name: str, t: object, *, dtype=None, dim=None, shape=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(op, name, "a torch.Tensor", type(t).__name__, TypeError)
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+        if t.dtype not in allowed:
+            _fail(op, name, "of dtype " + " or ".join(str(d) for d in allowed), t.dtype, TypeError)
+    if dim is not None and t.dim() != dim:
+        _fail(op, name, f"{dim}-dimensional", f"shape {_shape(t)}")
+    if shape is not None and _shape(t) != tuple(shape):
+        _fail(op, name, f"of shape {tuple(shape)}", f"shape {_shape(t)}")
+    if device is not None and t.device != device:
+        _fail(op, name, f"on {device} (q's device)", t.device)
+
+
+def cache_geometry(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int]:
+    """(num_pages, page_size, Hkv, D) of a paged cache pair, after checking the pair agrees."""
+    if kv_layout not in ("NHD", "HND"):
+        _fail(op, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(op, name, c, dim=4)
+        if c.stride(-1) != 1:
+            _fail(op, name, "contiguous in its last (head) dim", f"strides {tuple(c.stride())}")
+    if _shape(k_cache) != _shape(v_cache):
+        _fail(op, "v_cache", f"of k_cache's shape {_shape(k_cache)}", f"shape {_shape(v_cache)}")
+    if k_cache.dtype != v_cache.dtype:
+        _fail(op, "v_cache", f"of k_cache's dtype {k_cache.dtype}", v_cache.dtype, TypeError)
+    if k_cache.device != v_cache.device:
+        _fail(op, "v_cache", f"on k_cache's device {k_cache.device}", v_cache.device)
+    n, a, b, d = _shape(k_cache)
+    page_size, hkv = (a, b) if kv_layout == "NHD" else (b, a)
+    if page_size < 1:
+        _fail(op, "k_cache", "a cache with page_size >= 1", f"shape {_shape(k_cache)} ({kv_layout})")
+    return n, page_size, hkv, d
+
+
+def check_paged_attention(
+    q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, *, kv_layout, causal, scale, window_left,
+    kv_start, sinks, softcap, k_descale, v_descale, out=None, want_problem=True,
+) -> Problem | None:
+    """Checks one call and returns its static Problem (None with want_problem=False, as while tracing
+    with symbolic sizes, which building a Problem would specialize)."""
+    op = "paged_attention"
+    _check_tensor(op, "q", q)
+    if q.dim() == 4:
+        if cu_seqlens_q is not None:
+            _fail(op, "cu_seqlens_q", "None for a 4-dimensional q [B, S, Hq, D]", "a tensor")
+    elif q.dim() == 3:
+        if cu_seqlens_q is None:
+            _fail(op, "cu_seqlens_q", "an int32 [B + 1] tensor for a packed q [T, Hq, D]", None)
+    else:
+        _fail(op, "q", "[B, S, Hq, D] or packed [T, Hq, D]", f"shape {_shape(q)}")
+    device = q.device
+    q_dtypes = Q_DTYPES_CPU if device.type == "cpu" else Q_DTYPES_CUDA
+    _check_tensor(op, "q", q, dtype=q_dtypes)
+    if q.stride(-1) != 1:
+        _fail(op, "q", "contiguous in its last (head) dim", f"strides {tuple(q.stride())}")
+    if q.shape[0] == 0 or (q.dim() == 4 and q.shape[1] == 0):
+        _fail(op, "q", "at least one token", f"shape {_shape(q)}")
+    num_pages, page_size, hkv, d = cache_geometry(op, k_cache, v_cache, kv_layout)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(op, name, c, device=device)
+    if k_cache.dtype != q.dtype and not (k_cache.dtype == FP8 and q.dtype in Q_DTYPES_CUDA):
+        _fail(op, "k_cache", f"of q's dtype {q.dtype} or torch.float8_e4m3fn (with bf16/fp16 q)", k_cache.dtype,
+              TypeError)
+    hq, qd = q.shape[-2], q.shape[-1]
+    if qd != d:
+        _fail(op, "k_cache", f"of q's head dim {qd}", f"head dim {d}")
+    if d not in HEAD_DIMS:
+        _fail(op, "q", "of head dim " + ", ".join(map(str, HEAD_DIMS)), f"head dim {d}")
+    if hkv < 1 or hq % hkv != 0:
+        _fail(op, "q", f"a number of heads divisible by the cache's {hkv} KV heads", f"{hq} heads")
+
+    _check_tensor(op, "page_table", page_table, dtype=torch.int32, dim=2, device=device)
+    if page_table.stride(-1) != 1:
+        _fail(op, "page_table", "contiguous in its last dim", f"strides {tuple(page_table.stride())}")
+    batch, max_pages = page_table.shape
+    if q.dim() == 4 and q.shape[0] != batch:
+        _fail(op, "q", f"of batch {batch} (page_table's rows)", f"shape {_shape(q)}")
+    _check_tensor(op, "cache_seqlens", cache_seqlens, dtype=torch.int32, shape=(batch,), device=device)
+    if cu_seqlens_q is not None:
+        _check_tensor(op, "cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, shape=(batch + 1,), device=device)
+    if kv_start is not None:
+        _check_tensor(op, "kv_start", kv_start, dtype=torch.int32, shape=(batch,), device=device)
+    if sinks is not None:
+        _check_tensor(op, "sinks", sinks, dtype=torch.float32, shape=(hq,), device=device)
+    for name, ds in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if ds is None:
+            continue
+        if k_cache.dtype != FP8:
+            _fail(op, name, "None for a cache that is not float8_e4m3fn", "a tensor")
+        _check_tensor(op, name, ds, dtype=torch.float32, device=device)
+        if _shape(ds) not in ((), (batch,), (batch, hkv)):
+            _fail(op, name, f"a scalar, [B] = ({batch},) or [B, Hkv] = ({batch}, {hkv})", f"shape {_shape(ds)}")
+    if not isinstance(causal, bool):
+        _fail(op, "causal", "a bool", type(causal).__name__, TypeError)
+    if scale is not None and not (isinstance(scale, (int, float)) and 0.0 < float(scale) < float("inf")):
+        _fail(op, "scale", "a positive finite float or None", scale)
+    if not isinstance(window_left, int) or window_left < -1:
+        _fail(op, "window_left", "an int >= -1 (-1: no window)", window_left)
+    if not isinstance(softcap, (int, float)) or not 0.0 <= float(softcap) < float("inf"):
+        _fail(op, "softcap", "a finite float >= 0 (0: no softcap)", softcap)
+    if out is not None:
+        _check_tensor(op, "out", out, dtype=q.dtype, shape=_shape(q), device=device)
+        if not out.is_contiguous():
+            _fail(op, "out", "contiguous", f"strides {tuple(out.stride())}")
+
+    if not want_problem:
+        return None
+    sm_count, capability = device_facts(device)
+    return Problem(
+        batch=int(batch), q_len=int(q.shape[1] if q.dim() == 4 else q.shape[0]), packed=q.dim() == 3,
+        num_q_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(d), page_size=int(page_size),
+        max_pages=int(max_pages), q_dtype=q.dtype, kv_dtype=k_cache.dtype, kv_layout=kv_layout,
+        device_type=device.type, sm_count=sm_count, capability=capability,
+    )
+
+
+def check_write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, v_scale) -> None:
+    op = "write_kv"
+    _check_tensor(op, "k", k, dim=3)
+    device = k.device
+    _check_tensor(op, "v", v, dtype=k.dtype, shape=_shape(k), device=device)
+    if k.dtype not in Q_DTYPES_CPU:
+        _fail(op, "k", "of dtype torch.bfloat16, torch.float16 or torch.float32", k.dtype, TypeError)
+    _, _, hkv, d = cache_geometry(op, k_cache, v_cache, kv_layout)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(op, name, c, device=device)
+    if k_cache.dtype != k.dtype and k_cache.dtype != FP8:
+        _fail(op, "k_cache", f"of k's dtype {k.dtype} or torch.float8_e4m3fn", k_cache.dtype, TypeError)
+    n = k.shape[0]
+    if tuple(k.shape[1:]) != (hkv, d):
+        _fail(op, "k", f"of shape [N, Hkv, D] = [N, {hkv}, {d}] (the cache's heads and head dim)", f"shape {_shape(k)}")
+    _check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, shape=(n,), device=device)
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            continue
+        if k_cache.dtype != FP8:
+            _fail(op, name, "None for a cache that is not float8_e4m3fn", "a tensor")
+        _check_tensor(op, name, s, dtype=torch.float32, device=device)
+        if _shape(s) not in ((), (n,), (n, hkv)):
+            _fail(op, name, f"a scalar, [N] = ({n},) or [N, Hkv] = ({n}, {hkv})", f"shape {_shape(s)}")
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("B12X_DEBUG", "0") not in ("", "0")
+
+
+def check_device_values(q, k_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, kv_layout) -> None:
+    """B12X_DEBUG=1: checks what only the device knows. Syncs with the host; for debugging only."""
+    op = "paged_attention"
+    num_pages = k_cache.shape[0]
+    page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
+    cap = page_table.shape[1] * page_size
+    lens = cache_seqlens.cpu().long()
+    if bool((lens < 0).any()) or bool((lens > cap).any()):
+        _fail(op, "cache_seqlens", f"in [0, {cap}] (max_pages * page_size)", lens.tolist())
+    pt = page_table.cpu().long()
+    for b, length in enumerate(lens.tolist()):
+        live = pt[b, : -(-length // page_size)]
+        if bool(((live < 0) | (live >= num_pages)).any()):
+            _fail(op, f"page_table[{b}]", f"page ids in [0, {num_pages}) for its {length} live keys", live.tolist())
+    if kv_start is not None:
+        ks = kv_start.cpu().long()
+        if bool((ks < 0).any()) or bool((ks > lens).any()):
+            _fail(op, "kv_start", "in [0, cache_seqlens[b]]", ks.tolist())
+    if cu_seqlens_q is not None:
+        cu = cu_seqlens_q.cpu().long()
+        new = cu[1:] - cu[:-1]
+        if int(cu[0]) != 0 or bool((new < 0).any()) or int(cu[-1]) > q.shape[0]:
+            _fail(op, "cu_seqlens_q", f"non-decreasing from 0 to at most T = {q.shape[0]}", cu.tolist())
+    else:
+        new = torch.full_like(lens, q.shape[1])
+    if bool((new > lens).any()):
+        _fail(op, "cache_seqlens", "at least each request's new-token count (new tokens are written first)",
+              f"lengths {lens.tolist()} for {new.tolist()} new tokens")
+
+
+def check_slots(k_cache, slot_mapping, page_size: int) -> None:
+    """B12X_DEBUG=1: every slot of write_kv inside the cache."""
+    slots = slot_mapping.cpu()
+    total = k_cache.shape[0] * page_size
+    if bool((slots >= total).any()):
+        _fail("write_kv", "slot_mapping", f"slots < num_pages * page_size = {total} (or < 0 to skip)", slots.tolist())
