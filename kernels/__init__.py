@@ -25,3 +25,12 @@ def run_entry(mode: str, family: str, tensors: dict, *, out, lse, scratch, optio
         triton_kernels.run(mode, tensors, out=out, lse=lse, scratch=scratch, options=options, plan=plan)
     else:
         raise ValueError(f"paged_attention: plan family must be 'torch' or 'triton'; got {family!r}")
+
+
+def precompile(problem, plan, options: dict) -> None:
+    """Compiles the plan's kernels ahead (called by the lowering while Inductor compiles the graph, and by
+    `b12x_inductor.warmup`), so that no JIT compile ever happens inside a CUDA-graph capture."""
+    if plan.family == "triton":
+        from b12x_inductor.kernels import triton as triton_kernels
+
+        triton_kernels.precompile(problem, plan, options)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from b12x_inductor.plan import Problem, device_facts
+from b12x_inductor.kernels import precompile
 from b12x_inductor.ops import plan_for
 
 from . import _inductor
@@ -54,10 +55,11 @@ def _lower(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *,
     lse = _inductor.empty(q_size[:-1], torch.float32, device)
     scratch = _inductor.empty([plan.scratch_bytes], torch.uint8, device)
     scale = problem.head_dim**-0.5 if scale is None else float(scale)
+    options = dict(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=float(softcap))
+    precompile(problem, plan, options)  # no JIT compile later, inside a CUDA-graph capture
     _inductor.call_fallback(
         plan.entry_op, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale,
-        v_descale, out, lse, scratch, kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left,
-        softcap=float(softcap), **plan.constants())
+        v_descale, out, lse, scratch, **options, **plan.constants())
     return out, lse
 
 

@@ -10,3 +10,7 @@ def supports(problem) -> bool:
 
 def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
     raise NotImplementedError("paged_attention: the Triton family has no kernels yet")
+
+
+def precompile(problem, plan, options: dict) -> None:
+    """Compiles the kernels of one plan ahead of any launch."""
