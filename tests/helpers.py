@@ -1,0 +1,47 @@
+"""Random paged-attention problems for tests: fresh random inputs, random page order, never zeros."""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_cache(num_pages, page_size, hkv, d, *, dtype=torch.float32, kv_layout="NHD", device="cpu", gen=None):
+    shape = (num_pages, page_size, hkv, d) if kv_layout == "NHD" else (num_pages, hkv, page_size, d)
+    k = torch.randn(shape, generator=gen).to(device)
+    v = torch.randn(shape, generator=gen).to(device)
+    if dtype == torch.float8_e4m3fn:
+        return (k * 4).to(dtype), (v * 4).to(dtype)
+    return k.to(dtype), v.to(dtype)
+
+
+def make_problem(*, batch=3, q_len=1, hq=8, hkv=2, d=64, page_size=4, max_pages=8, packed=False,
+                 dtype=torch.float32, kv_dtype=None, kv_layout="NHD", device="cpu", seed=0, new_lens=None):
+    """A random problem. Returns a dict of paged_attention's positional arguments (q, k_cache, v_cache,
+    page_table, cache_seqlens, cu_seqlens_q). Packed q has capacity q_len tokens for `new_lens` new
+    tokens per request (padding rows past the total)."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
+    num_pages = batch * max_pages + 3
+    k_cache, v_cache = make_cache(num_pages, page_size, hkv, d, dtype=kv_dtype, kv_layout=kv_layout,
+                                  device=device, gen=gen)
+    page_table = torch.randperm(num_pages, generator=gen)[: batch * max_pages].reshape(batch, max_pages)
+    cap = max_pages * page_size
+    cu = None
+    if packed:
+        new = torch.tensor(new_lens) if new_lens is not None else torch.randint(1, 5, (batch,), generator=gen)
+        assert int(new.sum()) <= q_len
+        cu = torch.zeros(batch + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(new, 0)
+        q = torch.randn(q_len, hq, d, generator=gen)
+    else:
+        new = torch.full((batch,), q_len)
+        q = torch.randn(batch, q_len, hq, d, generator=gen)
+    lens = new + torch.randint(0, cap - int(new.max()) + 1, (batch,), generator=gen)
+    return dict(
+        q=q.to(dtype).to(device),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        page_table=page_table.int().to(device),
+        cache_seqlens=lens.int().to(device),
+        cu_seqlens_q=None if cu is None else cu.to(device),
+    )

@@ -1,0 +1,76 @@
+"""select_plan's decision table."""
+
+from __future__ import annotations
+
+import expecttest
+import torch
+
+from b12x_inductor.plan import Problem, select_plan
+
+H200 = dict(device_type="cuda", sm_count=132, capability=(9, 0))
+BASE = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, q_dtype=torch.bfloat16,
+            kv_dtype=torch.bfloat16, kv_layout="NHD", packed=False)
+
+
+def _row(name, **kw):
+    p = Problem(**{**BASE, **kw})
+    plan = select_plan(p)
+    fields = f"{plan.mode:7} {plan.family:6} splits={plan.num_splits:<3} m={plan.block_m:<3} n={plan.block_n:<3} " \
+             f"warps={plan.num_warps} stages={plan.num_stages} scratch={plan.scratch_bytes}"
+    return f"{name:28} {fields}".rstrip()
+
+
+def table() -> str:
+    rows = [
+        _row("cpu decode 8x1", batch=8, q_len=1, max_pages=512, device_type="cpu"),
+        _row("cpu verify 8x4", batch=8, q_len=4, max_pages=512, device_type="cpu"),
+        _row("cpu extend 2x64", batch=2, q_len=64, max_pages=512, device_type="cpu"),
+        _row("cpu packed T=256", batch=4, q_len=256, packed=True, max_pages=512, device_type="cpu"),
+        _row("h200 decode 1x32768", batch=1, q_len=1, max_pages=2048, **H200),
+        _row("h200 decode 8x8192", batch=8, q_len=1, max_pages=512, **H200),
+        _row("h200 decode 32x4096", batch=32, q_len=1, max_pages=256, **H200),
+        _row("h200 decode 64x2048", batch=64, q_len=1, max_pages=128, **H200),
+        _row("h200 decode 128x1024", batch=128, q_len=1, max_pages=64, **H200),
+        _row("h200 decode 16x16384", batch=16, q_len=1, max_pages=1024, **H200),
+        _row("h200 decode fp8 32x4096", batch=32, q_len=1, max_pages=256, kv_dtype=torch.float8_e4m3fn, **H200),
+        _row("h200 decode D=256 g=1", batch=8, q_len=1, max_pages=512, head_dim=256, num_q_heads=8, **H200),
+        _row("h200 verify 8x8192 S=4", batch=8, q_len=4, max_pages=512, **H200),
+        _row("h200 verify 64x2048 S=16", batch=64, q_len=16, max_pages=128, **H200),
+        _row("h200 extend 4x4096", batch=4, q_len=4096, max_pages=256, **H200),
+        _row("h200 packed T=16384", batch=1, q_len=16384, packed=True, max_pages=1024, **H200),
+        _row("h200 extend D=256", batch=2, q_len=512, max_pages=64, head_dim=256, **H200),
+    ]
+    return "\n".join(rows)
+
+
+class TestPlanTable(expecttest.TestCase):
+    def test_table(self):
+        self.assertExpectedInline(table(), """\
+cpu decode 8x1               decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+cpu verify 8x4               verify  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+cpu extend 2x64              extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+cpu packed T=256             extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+h200 decode 1x32768          decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+h200 decode 8x8192           decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+h200 decode 32x4096          decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+h200 decode 64x2048          decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+h200 decode 128x1024         decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+h200 decode 16x16384         decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+h200 decode fp8 32x4096      decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+h200 decode D=256 g=1        decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+h200 verify 8x8192 S=4       verify  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+h200 verify 64x2048 S=16     verify  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+h200 extend 4x4096           extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+h200 packed T=16384          extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+h200 extend D=256            extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0""")
+
+    def test_modes_from_static_shapes(self):
+        def mode(q_len, packed=False):
+            return Problem(**{**BASE, "batch": 2, "q_len": q_len, "packed": packed, "max_pages": 4,
+                              "device_type": "cpu"}).mode
+        assert [mode(1), mode(2), mode(16), mode(17), mode(1, packed=True)] == \
+            ["decode", "verify", "verify", "extend", "extend"]
+
+    def test_pure(self):
+        p = Problem(**{**BASE, "batch": 8, "q_len": 1, "max_pages": 512, **H200})
+        assert select_plan(p) == select_plan(p)
