@@ -117,3 +117,19 @@ def test_graph_cache_key_covers_project_sources():
     assert any(f.endswith("lowering/paged_attention.py") for f in cache._source_files())
     assert any(f.endswith("kernels/torch_impl.py") for f in cache._source_files())
     assert any(f.endswith("b12x_inductor/plan.py") for f in cache._source_files())
+
+
+def test_out_argument_is_written_in_place_when_compiled():
+    torch._dynamo.reset()
+    args = make_problem(batch=2, q_len=1, hq=4, hkv=2, d=64, seed=21)
+
+    def step(out, **kw):
+        b12x.paged_attention(**kw, out=out)
+        return out.sum()
+
+    out = torch.full_like(args["q"], float("nan"))
+    _, (code,) = run_and_get_code(torch.compile(step, fullgraph=True), out, **args)
+    torch.testing.assert_close(out, paged_attention_reference(**args)[0], atol=2e-5, rtol=2e-5)
+    call = _call_lines(code, "paged_attention_decode")
+    assert "arg0_1, buf" in call, call  # the caller's out is the entry op's out: no copy
+    assert "clone" not in code and "copy_" not in code
