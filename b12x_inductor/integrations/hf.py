@@ -1,0 +1,45 @@
+"""Hugging Face transformers integration: `attn_implementation="b12x"` and `B12xCache`.
+
+    import b12x_inductor.integrations.hf as b12x_hf
+    b12x_hf.register()                      # once; idempotent
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="b12x", dtype=torch.bfloat16)
+    out = model.generate(ids, attention_mask=mask, cache_implementation="static", max_new_tokens=64)
+    # or a paged cache:
+    cache = B12xCache(model.config, max_batch_size=8, max_cache_len=4096, device="cuda", dtype=torch.bfloat16)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+
+Transformers is imported only here (and in the tests). Tested with transformers 5.17.0 and 5.24.0.
+
+How the pieces meet (the public surface other code may rely on):
+- `register()` adds the attention function `b12x_attention` under the name "b12x" to transformers'
+  `AttentionInterface`, and its mask function `b12x_mask` to `AttentionMaskInterface`.
+- The mask function turns the 2D padding mask into a small int32 "metadata mask" of shape [B, 1, 1, 2]:
+  [..., 0] = kv_start (first non-pad position of each request; left padding only), [..., 1] = the
+  request's cache length after this forward (q_offset + q_length). Transformers passes 4D masks through
+  untouched, so it reaches the attention function inside the compiled region with a fixed shape. See
+  `metadata_mask` / `unpack_metadata`.
+- With transformers' StaticCache, attention receives the whole [B, Hkv, max_cache_len, D] buffers and reads
+  them in place as an HND paged cache: one page per request (page_size = max_cache_len, page_table =
+  arange(B)[:, None]), cache_seqlens and kv_start from the metadata mask.
+- With `B12xCache`, each layer's `update` writes the new keys/values into its page pool with `write_kv`,
+  advances its device-side lengths and hands the layer to attention: through the `kwargs` dict of
+  `cache.update` where transformers passes it on to attention (5.24), else through a table keyed by
+  `module.layer_idx` (5.17). Attention then reads the pool with the cache's page table and lengths.
+"""
+
+from __future__ import annotations
+
+from b12x_inductor.integrations.hf_attention import (  # noqa: F401
+    ATTN_NAME,
+    b12x_attention,
+    b12x_mask,
+    metadata_mask,
+    register,
+    unpack_metadata,
+)
+from b12x_inductor.integrations.hf_cache import B12xCache, B12xLayer  # noqa: F401
+
+__all__ = ["ATTN_NAME", "register", "b12x_attention", "b12x_mask", "metadata_mask", "unpack_metadata",
+           "B12xCache", "B12xLayer"]
+
+register()

@@ -1,0 +1,129 @@
+"""The "b12x" attention and mask functions for transformers (see hf.py for the overview).
+
+Shapes (transformers' conventions): query [B, Hq, S, D]; key/value as returned by `cache.update`; the
+attention function returns ([B, S, Hq, D], None).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+
+import b12x_inductor as b12x
+from b12x_inductor.integrations import hf_cache
+from b12x_inductor.plan import HEAD_DIMS
+
+ATTN_NAME = "b12x"
+_USE_SDPA = 'use attn_implementation="sdpa" for this model or call'
+
+
+def register() -> None:
+    """Registers "b12x" with transformers' AttentionInterface and AttentionMaskInterface (idempotent).
+    Afterwards `from_pretrained(..., attn_implementation="b12x")` and
+    `model.set_attn_implementation("b12x")` both work."""
+    AttentionInterface.register(ATTN_NAME, b12x_attention)
+    AttentionMaskInterface.register(ATTN_NAME, b12x_mask)
+
+
+def metadata_mask(kv_start: torch.Tensor, cache_seqlens: torch.Tensor) -> torch.Tensor:
+    """Packs int32 kv_start [B] and cache_seqlens [B] into the int32 [B, 1, 1, 2] metadata mask."""
+    return torch.stack([kv_start.to(torch.int32), cache_seqlens.to(torch.int32)], dim=-1).view(-1, 1, 1, 2)
+
+
+def is_metadata_mask(mask: object) -> bool:
+    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and mask.dim() == 4
+            and tuple(mask.shape[1:]) == (1, 1, 2))
+
+
+def unpack_metadata(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int32 [B, 1, 1, 2] metadata mask -> (kv_start [B], cache_seqlens [B]), int32 views."""
+    return mask[:, 0, 0, 0], mask[:, 0, 0, 1]
+
+
+def _check_left_padding(padding_mask: torch.Tensor) -> None:
+    """Eager-only check (a host sync) that every row of a 2D padding mask is zeros then ones."""
+    m = padding_mask.to(torch.int8)
+    ok = bool((m[:, 1:] >= m[:, :-1]).all()) and bool(m[:, -1].all())
+    if not ok:
+        raise ValueError(
+            "b12x attention: attention_mask must be a left-padding mask (each row zeros, then ones up to the "
+            f"last token); got a mask with holes or right padding. Left-pad the batch, or {_USE_SDPA[4:]}")
+
+
+def b12x_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+              mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
+              device=None, **kwargs) -> torch.Tensor:
+    """Mask function of "b12x": returns the int32 [B, 1, 1, 2] metadata mask (see hf.py).
+
+    attention_mask is transformers' 2D padding mask, bool [B, >= q_offset + q_length] (or None); q_offset
+    (int or 0-dim tensor) is the number of tokens cached before this forward.
+    """
+    if mask_function is not causal_mask_function:
+        raise ValueError(
+            "b12x attention: expresses causal attention with left padding only; this model asked for another "
+            f"mask ({getattr(mask_function, '__name__', mask_function)}: sliding window, bidirectional, packed or "
+            f"custom). {_USE_SDPA} b12x_inductor.paged_attention directly.")
+    if kv_offset != 0:
+        raise ValueError(f"b12x attention: kv_offset must be 0 (no sliding-window cache); got {kv_offset}. "
+                         f"{_USE_SDPA} b12x_inductor.paged_attention directly.")
+    if attention_mask is None:
+        kv_start = torch.zeros(batch_size, dtype=torch.int32, device=device)
+    else:
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
+            raise ValueError(f"b12x attention: attention_mask must be a 2D padding mask [{batch_size}, L]; got "
+                             f"shape {tuple(attention_mask.shape)}")
+        if q_length > 1 and not torch.compiler.is_compiling():
+            _check_left_padding(attention_mask)
+        kv_start = torch.argmax(attention_mask.to(torch.int32), dim=-1).to(torch.int32)  # first non-pad
+    if isinstance(q_offset, torch.Tensor):
+        lengths = (q_offset.to(device=device, dtype=torch.int32) + q_length).expand(batch_size)
+    else:
+        lengths = torch.full((batch_size,), int(q_offset) + q_length, dtype=torch.int32, device=device)
+    return metadata_mask(kv_start.to(device), lengths)
+
+
+def _unsupported(what: str) -> ValueError:
+    return ValueError(f"b12x attention: {what}. {_USE_SDPA} b12x_inductor.paged_attention directly.")
+
+
+def b12x_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                   sliding_window: int | None = None, softcap: float | None = None, s_aux=None, **kwargs):
+    """Attention function of "b12x".
+
+    query [B, Hq, S, D] (bf16/fp16; fp32 on CPU); key/value either transformers' StaticCache buffers
+    [B, Hkv, max_cache_len, D] (or the fresh [B, Hkv, S, D] without a cache), or a `B12xCache` layer's page
+    pools; attention_mask the metadata mask of `b12x_mask`. Returns (out [B, S, Hq, D], None).
+    """
+    if dropout and module.training:
+        raise _unsupported(f"dropout must be 0 (inference only); got {dropout} in training mode")
+    if sliding_window is not None:
+        raise _unsupported(f"sliding-window layers are not supported (sliding_window={sliding_window})")
+    if kwargs.get("is_causal", True) is False:
+        raise _unsupported("non-causal attention is not supported")
+    head_dim = query.shape[-1]
+    if head_dim not in HEAD_DIMS:
+        raise _unsupported(f"head_dim must be one of {HEAD_DIMS}; got {head_dim}")
+    if attention_mask is None:
+        raise ValueError("b12x attention: got no attention mask; the mask function of 'b12x' was not called "
+                         "(call b12x_inductor.integrations.hf.register() before building the model)")
+    if not is_metadata_mask(attention_mask):
+        raise _unsupported(
+            f"got a custom attention mask (shape {tuple(attention_mask.shape)}, {attention_mask.dtype}); b12x "
+            "takes a 2D left-padding mask only, not a 4D mask")
+    batch = query.shape[0]
+    q = query.transpose(1, 2)  # [B, S, Hq, D], D contiguous
+    kv_start, seqlens = unpack_metadata(attention_mask)
+    sinks = None if s_aux is None else s_aux.float()
+    opts = dict(scale=scaling, kv_start=kv_start, softcap=float(softcap or 0.0), sinks=sinks)
+    layer = hf_cache.routed_layer(module, key, kwargs)
+    if layer is not None:
+        out = layer.attend(q, **opts)
+    else:
+        if key.dim() != 4 or key.shape[0] != batch:
+            raise _unsupported(f"key must be a [B={batch}, Hkv, L, D] static-cache buffer; got shape "
+                               f"{tuple(key.shape)} (B12xCache or transformers' StaticCache expected)")
+        page_table = torch.arange(batch, dtype=torch.int32, device=q.device)[:, None]
+        out = b12x.paged_attention(q, key, value, page_table, seqlens, kv_layout="HND", **opts)
+    return out, None

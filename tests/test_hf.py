@@ -1,0 +1,202 @@
+"""transformers integration: attn_implementation="b12x" and B12xCache against SDPA with a static cache.
+
+Tiny random-weight Llama / Qwen2 models built here (no downloads). Greedy tokens must equal SDPA's.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers.generation.configuration_utils import CompileConfig  # noqa: E402
+
+import b12x_inductor  # noqa: E402
+from b12x_inductor.integrations import hf  # noqa: E402
+
+NEW_TOKENS = 6
+TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=256, initializer_range=0.1)
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def make_model(arch="llama", dtype=torch.float32, seed=0, **overrides):
+    config_cls, model_cls = ARCHS[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**TINY, **overrides})).eval().to(dtype)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompts(batch, seed, length=12):
+    """Random prompts; row 1 and 2 of a batch of 4 left-padded (3 and 7 pads)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 256, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    if batch >= 3:
+        mask[1, :3] = 0
+        mask[2, :7] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def cache_kwarg(model, cache) -> dict:
+    """generate's name for a user cache: `cache` from transformers 5.20, `past_key_values` before."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def generate(model, impl, ids, mask, **kw):
+    model.set_attn_implementation(impl)
+    kw.setdefault("disable_compile", True)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, **kw)
+
+
+def sdpa_tokens(model, ids, mask):
+    return generate(model, "sdpa", ids, mask, cache_implementation="static")
+
+
+def new_b12x_cache(model, batch, **kw):
+    kw = {"max_cache_len": 64, "page_size": 16, "dtype": model.dtype, **kw}
+    return hf.B12xCache(model.config, max_batch_size=batch, **kw)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts paged_attention calls, so that a test also proves b12x ran."""
+    calls = []
+    real = b12x_inductor.paged_attention
+
+    def counting(q, *args, **kwargs):
+        calls.append(tuple(q.shape))
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(b12x_inductor, "paged_attention", counting)
+    return calls
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("cache", ["static", "b12x"])
+def test_greedy_tokens_equal_sdpa(arch, batch, cache, spy):
+    model = make_model(arch)
+    ids, mask = prompts(batch, seed=batch)
+    want = sdpa_tokens(model, ids, mask)
+    assert not spy
+    if cache == "static":
+        got = generate(model, "b12x", ids, mask, cache_implementation="static")
+    else:
+        paged = new_b12x_cache(model, batch)
+        got = generate(model, "b12x", ids, mask, **cache_kwarg(model, paged))
+        torch.testing.assert_close(paged.layers[0].cache_seqlens, torch.full((batch,), 12 + NEW_TOKENS - 1).int())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    layers = model.config.num_hidden_layers
+    assert spy[0] == (batch, 12, 4, 64) and spy[layers] == (batch, 1, 4, 64), spy  # prefill then decode
+    assert len(spy) == layers * NEW_TOKENS, len(spy)  # one prefill and NEW_TOKENS - 1 decode forwards
+
+
+def test_prefill_through_extend_plan_and_long_prompt():
+    """A prompt longer than 16 tokens takes the extend plan (q [B, S > 16, Hq, D])."""
+    model = make_model("llama")
+    ids, mask = prompts(4, seed=7, length=40)
+    want = sdpa_tokens(model, ids, mask)
+    problem = b12x_inductor.Problem(batch=4, q_len=40, packed=False, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                                    page_size=64, max_pages=1, q_dtype=torch.float32, kv_dtype=torch.float32,
+                                    kv_layout="HND", device_type="cpu")
+    assert b12x_inductor.select_plan(problem).mode == "extend"
+    torch.testing.assert_close(generate(model, "b12x", ids, mask, cache_implementation="static"), want)
+    got = generate(model, "b12x", ids, mask, **cache_kwarg(model, new_b12x_cache(model, 4)))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_from_pretrained_and_set_attn_implementation(tmp_path):
+    model = make_model("qwen2")
+    model.save_pretrained(tmp_path)
+    loaded = Qwen2ForCausalLM.from_pretrained(tmp_path, attn_implementation="b12x")
+    assert loaded.config._attn_implementation == "b12x"
+    ids, mask = prompts(1, seed=3)
+    want = sdpa_tokens(model, ids, mask)
+    got = loaded.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                          cache_implementation="static", disable_compile=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _compile_config(backend="inductor"):
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend)
+    config._compile_all_devices = True  # generate compiles on CUDA only, unless told
+    return config
+
+
+@pytest.mark.parametrize("cache", ["static", "b12x"])
+def test_compiled_generate_no_graph_break_no_recompile(cache):
+    """fullgraph decode step; three generate calls with different prompts of one bucket compile once."""
+    from torch._dynamo.utils import counters
+
+    model = make_model("llama", num_hidden_layers=1)
+    model.set_attn_implementation("b12x")
+    paged = new_b12x_cache(model, 4)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for step in range(3):
+            ids, mask = prompts(4, seed=10 + step)
+            want = sdpa_tokens(model, ids, mask)
+            kw = dict(cache_implementation="static") if cache == "static" else cache_kwarg(model, paged)
+            paged.reset()
+            torch.compiler.set_stance("fail_on_recompile" if step else "default")
+            got = generate(model, "b12x", ids, mask, compile_config=_compile_config(), disable_compile=False, **kw)
+            torch.compiler.set_stance("default")
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    finally:
+        torch.compiler.set_stance("default")
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_float8_pool_close_to_bf16_pool():
+    """A float8_e4m3fn pool (with a scale) gives logits close to a bf16 pool's; generate runs."""
+    model = make_model("llama", dtype=torch.bfloat16)
+    model.set_attn_implementation("b12x")
+    ids, mask = prompts(4, seed=5)
+    logits = {}
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        paged = new_b12x_cache(model, 4, kv_dtype=kv_dtype, k_scale=0.5, v_scale=0.25)
+        with torch.no_grad():
+            logits[kv_dtype] = model(ids, attention_mask=mask, **cache_kwarg(model, paged)).logits.float()
+    err = (logits[torch.float8_e4m3fn] - logits[torch.bfloat16]).norm() / logits[torch.bfloat16].norm()
+    assert 0 < err < 0.1, err  # about 0.05 here (e4m3 rounding); nonzero: the pool really is float8
+    out = generate(model, "b12x", ids, mask, **cache_kwarg(model, new_b12x_cache(model, 4, kv_dtype=torch.float8_e4m3fn)))
+    assert out.shape == (4, 12 + NEW_TOKENS)
+
+
+def test_unsupported_head_dim_fails_at_first_call():
+    model = make_model("llama", hidden_size=128, num_attention_heads=8, head_dim=16)
+    ids, mask = prompts(1, seed=1)
+    with pytest.raises(ValueError, match=r"head_dim must be one of .* got 16.*sdpa"):
+        generate(model, "b12x", ids, mask, cache_implementation="static")
+
+
+def test_arbitrary_4d_mask_fails_with_a_clear_message():
+    model = make_model("llama")
+    model.set_attn_implementation("b12x")
+    ids, _ = prompts(1, seed=2)
+    mask4d = torch.ones(1, 1, 12, 12, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match=r"custom attention mask.*4D.*sdpa"):
+        model(ids, attention_mask=mask4d)
+
+
+def test_right_padding_fails_with_a_clear_message():
+    model = make_model("llama")
+    ids, mask = prompts(2, seed=4)
+    mask[0, -3:] = 0
+    with pytest.raises(ValueError, match=r"left-padding mask"):
+        generate(model, "b12x", ids, mask, cache_implementation="static")
+
+
+def test_sliding_window_model_fails_with_a_clear_message():
+    model = make_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    ids, mask = prompts(1, seed=6)
+    with pytest.raises(ValueError, match=r"sliding.*sdpa"):
+        generate(model, "b12x", ids, mask, cache_implementation="static")
