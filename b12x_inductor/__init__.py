@@ -105,3 +105,6 @@ def write_kv(
 
 
 from b12x_inductor import lowering as _lowering  # noqa: E402,F401  (registers the Inductor lowering)
+from b12x_inductor.substitution import disable, enable, last_decisions, substituting  # noqa: E402
+
+__all__ += ["enable", "disable", "substituting", "last_decisions"]

@@ -6,6 +6,7 @@
 - `static_int(expr)`: a static size; a symbolic one is guarded (specialized) to its current value.
 - `install_graph_pass(p)`: add a CustomGraphPass to post_grad_custom_pre_pass (a list from 2.13, one
   pass before), so its uuid() enters Inductor's FX graph cache key.
+- `fake_mode_of(values)`: the FakeTensorMode behind a graph's metadata (to give new nodes their "val").
 """
 
 from __future__ import annotations
@@ -63,3 +64,10 @@ def install_graph_pass(p: CustomGraphPass) -> None:
         inductor_config.post_grad_custom_pre_pass = [p] if torch.__version__ >= (2, 13) else p
     else:
         inductor_config.post_grad_custom_pre_pass = _Chain(current, p)
+
+
+def fake_mode_of(values):
+    """The FakeTensorMode of a graph's metadata tensors (node.meta["val"]), or None."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])

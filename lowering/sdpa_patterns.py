@@ -1,0 +1,131 @@
+"""The forms scaled_dot_product_attention takes in a post-grad graph, and the GQA repeat idioms.
+
+By the post-grad passes, `F.scaled_dot_product_attention` has become the backend op its dispatcher chose:
+- CPU:  aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, *, attn_mask, scale)
+- CUDA: aten._scaled_dot_product_flash_attention (no mask), _efficient_attention and _cudnn_attention
+  (attn_bias: a bool mask arrives converted to an additive 0 / -inf float tensor), or the math decomposition
+  (matmuls and a softmax that zeroes fully masked rows: reported by `is_math_form`, never rewritten).
+Each returns a tuple whose item 0 is the attention output [B, Hq, S, D]; the others (logsumexp, RNG state)
+must be unused, as in inference graphs.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.fx.operator_schemas import normalize_function
+
+aten = torch.ops.aten
+
+# backend op -> name of its mask argument (None: it takes no mask)
+FORMS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
+    aten._scaled_dot_product_flash_attention.default: None,
+    aten._scaled_dot_product_efficient_attention.default: "attn_bias",
+    aten._scaled_dot_product_cudnn_attention.default: "attn_bias",
+    aten._scaled_dot_product_fused_attention_overrideable.default: "attn_bias",
+    aten.scaled_dot_product_attention.default: "attn_mask",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SdpaCall:
+    """One attention call in the graph: q [B, Hq, S, D], k and v [B, Hk, L, D] as SDPA received them."""
+
+    node: fx.Node
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    mask: fx.Node | None
+    dropout_p: float
+    is_causal: bool
+    scale: float | None
+    enable_gqa: bool
+    output: fx.Node | None  # the node holding the attention output (getitem 0, or the node itself)
+    other_outputs_used: bool
+
+
+def match(node: fx.Node) -> SdpaCall | None:
+    if node.op != "call_function" or node.target not in FORMS:
+        return None
+    kw = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    mask_name = FORMS[node.target]
+    tuple_out = node.target is not aten.scaled_dot_product_attention.default
+    output, others = (None, False) if tuple_out else (node, False)
+    if tuple_out:
+        for user in node.users:
+            if user.op == "call_function" and user.target is operator.getitem and user.args[1] == 0:
+                output = user
+            elif user.users or not (user.op == "call_function" and user.target is operator.getitem):
+                others = True
+    return SdpaCall(
+        node=node, q=kw["query"], k=kw["key"], v=kw["value"], mask=kw.get(mask_name) if mask_name else None,
+        dropout_p=float(kw.get("dropout_p", 0.0)), is_causal=bool(kw.get("is_causal", False)),
+        scale=kw.get("scale"), enable_gqa=bool(kw.get("enable_gqa", False)), output=output,
+        other_outputs_used=others)
+
+
+def is_math_form(node: fx.Node) -> bool:
+    """SDPA's math decomposition (what runs with dropout, or what the fused kernels refuse): marked by its
+    `_safe_softmax`, or that op decomposed, any(logical_not(eq(logits, -inf)))). Reported, never rewritten."""
+    if _target(node) is aten._safe_softmax.default:
+        return True
+    if _target(node) is not aten.any.dim:
+        return False
+    inner = node.args[0]
+    if _target(inner) is not aten.logical_not.default:
+        return False
+    eq = inner.args[0]
+    return _target(eq) is aten.eq.Scalar and eq.args[1] == float("-inf")
+
+
+def _target(node) -> object:
+    return node.target if isinstance(node, fx.Node) and node.op == "call_function" else None
+
+
+def _shape(node: fx.Node) -> tuple:
+    return tuple(node.meta["val"].shape)
+
+
+def skip_noops(node):
+    """The node below full-range slices and aliases (post-grad noop removal runs after this pass)."""
+    while True:
+        t = _target(node)
+        if t in (aten.alias.default, aten.detach.default):
+            node = node.args[0]
+        elif t is aten.slice.Tensor and _shape(node) == _shape(node.args[0]):
+            args = [*node.args, *([None] * 5)][:5]
+            if args[4] not in (None, 1):
+                return node
+            node = node.args[0]
+        else:
+            return node
+
+
+def unrepeat_kv(node: fx.Node) -> tuple[fx.Node, int]:
+    """(base [B, Hkv, L, D], repeats n) where node is head h -> base head h // n; (node, 1) if no repeat.
+
+    Matches repeat_kv / repeat_interleave(n, dim=1) / expand+reshape as they reach the post-grad graph:
+        reshape|view|_unsafe_view( [clone]( expand( unsqueeze(base, 2), [B, Hkv, n, L, D] ) ), [B, Hkv*n, L, D])
+    """
+    node = skip_noops(node)
+    if _target(node) not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        return node, 1
+    src = skip_noops(node.args[0])
+    if _target(src) is aten.clone.default:
+        src = skip_noops(src.args[0])
+    if _target(src) is not aten.expand.default:
+        return node, 1
+    expanded = src
+    src = skip_noops(src.args[0])
+    if _target(src) is not aten.unsqueeze.default or src.args[1] not in (2, -3):
+        return node, 1
+    base = skip_noops(src.args[0])
+    b, hkv, length, d = _shape(base)
+    n = _shape(expanded)[2]
+    if _shape(expanded) != (b, hkv, n, length, d) or _shape(node) != (b, hkv * n, length, d):
+        return node, 1
+    return base, n

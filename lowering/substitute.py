@@ -1,0 +1,270 @@
+"""Automatic op substitution: SDPA -> torch.ops.b12x.paged_attention where the result is provably the same.
+
+A post-grad graph rewrite (run by `cache.GRAPH_PASS`, whose uuid includes `cache_state()`), for every
+attention call `sdpa_patterns.match` finds:
+
+    out = SDPA(q [B, Hq, S, D], repeat(k) [B, Hq, L, D], repeat(v), mask)      becomes
+    out = paged_attention(q.transpose(1, 2), k, v, page_table=arange(B)[:, None], cache_seqlens,
+                          kv_layout="HND", causal=..., scale=...)[0].transpose(1, 2)
+
+k [B, Hkv, L, D] read as an HND cache of B pages of L tokens (GQA's repeat_kv copy disappears). Which
+cache_seqlens / causal, by case:
+- no mask, is_causal=False: every key; cache_seqlens = L, causal=False.
+- no mask, is_causal=True and S == L: cache_seqlens = L, causal=True (top-left = bottom-right alignment).
+- a mask that `mask_proof.prove_causal` proves is "key j <= position of query i" with consecutive positions
+  (the static-cache decode idiom: positions from input_pos / cache_position): cache_seqlens = the last
+  query's position + 1, computed on the device and clamped to [0, L], causal=True. The op reads only the
+  live keys; what the fixed buffer holds past them never mattered.
+Everything else is left alone, with the reason recorded. Rows that see no key at all (negative positions)
+are outside the proof: SDPA gives NaN there and the op zeros.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from b12x_inductor.plan import HEAD_DIMS
+
+from . import _inductor
+from .mask_proof import Unprovable, prove_causal
+from .sdpa_patterns import SdpaCall, is_math_form, match, unrepeat_kv
+
+log = logging.getLogger("b12x_inductor.substitute")
+aten, prims = torch.ops.aten, torch.ops.prims
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """What the pass did with one attention call of a compiled graph."""
+
+    node: str  # the FX node's name
+    op: str  # the SDPA form, e.g. "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    substituted: bool
+    reason: str  # why it was left alone, or what replaced it
+
+    def __str__(self) -> str:
+        return f"{'substituted' if self.substituted else 'left alone'}: {self.node} ({self.op}): {self.reason}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Replacement:
+    k: fx.Node  # [B, Hkv, L, D]
+    v: fx.Node
+    causal: bool
+    seqlens: tuple  # ("const", n) or ("leaf", node, index, stride, offset)
+    summary: str
+
+
+def _val(node) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _static(shape) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(s) for s in shape)
+    except TypeError:
+        return None
+
+
+def decide(call: SdpaCall, gm: fx.GraphModule | None = None) -> _Replacement | str:
+    """The replacement of one attention call, or the reason to leave it alone."""
+    if call.output is None:
+        return "its output is unused"
+    if call.other_outputs_used:
+        return "its logsumexp / RNG outputs are used (a training graph?)"
+    if call.dropout_p != 0.0:
+        return f"dropout_p={call.dropout_p}: the op has no dropout"
+    k, rep_k = unrepeat_kv(call.k)
+    v, rep_v = unrepeat_kv(call.v)
+    q_val, k_val, v_val = _val(call.q), _val(k), _val(v)
+    if q_val is None or k_val is None or v_val is None:
+        return "q, k or v has no tensor metadata"
+    if rep_k != rep_v:
+        return f"k and v repeat their heads differently ({rep_k} and {rep_v})"
+    q_shape, k_shape = _static(q_val.shape), _static(k_val.shape)
+    if q_shape is None or k_shape is None:
+        return "symbolic (dynamic) shapes"
+    if len(q_shape) != 4 or len(k_shape) != 4 or tuple(v_val.shape) != k_shape:
+        return f"q {q_shape}, k {k_shape}, v {tuple(v_val.shape)}: not [B, H, S, D] with equal k and v"
+    (b, hq, s, d), (kb, hkv, length, kd) = q_shape, k_shape
+    if kb != b or kd != d:
+        return f"q {q_shape} and k {k_shape} differ in batch or head dim"
+    if d not in HEAD_DIMS:
+        return f"head dim {d}: the op takes " + ", ".join(map(str, HEAD_DIMS))
+    if hq % hkv != 0:
+        return f"{hq} query heads are not a multiple of {hkv} KV heads"
+    device = q_val.device
+    dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if device.type == "cpu" else ())
+    if q_val.dtype not in dtypes:
+        return f"q is {q_val.dtype} on {device.type}: the op takes " + ", ".join(map(str, dtypes)) + " there"
+    if k_val.dtype != q_val.dtype or v_val.dtype != q_val.dtype:
+        return f"k / v dtype ({k_val.dtype}, {v_val.dtype}) differs from q's ({q_val.dtype})"
+    if any(t.device != device for t in (k_val, v_val)):
+        return "q, k and v are on different devices"
+    if q_val.stride(-1) != 1 or k_val.stride(-1) != 1 or v_val.stride(-1) != 1:
+        return "q, k or v is not contiguous in its head dim"
+    geometry = f"B={b} Hq={hq} Hkv={hkv} S={s} L={length} D={d}"
+    if call.mask is None:
+        if call.is_causal and s != length:
+            return (f"is_causal with S={s} != L={length}: SDPA aligns the causal mask top-left, the op "
+                    f"bottom-right")
+        return _Replacement(k=k, v=v, causal=call.is_causal, seqlens=("const", length),
+                            summary=f"{geometry}, causal={call.is_causal}, cache_seqlens = L")
+    if call.is_causal:
+        return "both a mask and is_causal"
+    if not isinstance(call.mask, fx.Node):
+        return "the mask is not a tensor of the graph"
+    try:
+        proof = prove_causal(call.mask, batch=b, heads=hq, q_len=s, kv_len=length, graph_module=gm)
+    except Unprovable as e:
+        return f"mask not proven causal: {e}"
+    if not proof.causal:
+        return _Replacement(k=k, v=v, causal=False, seqlens=("const", length),
+                            summary=f"{geometry}, the mask hides nothing, cache_seqlens = L")
+    if proof.leaf is None:
+        n = min(max(proof.offset, 0), length)
+        if n < s:
+            return f"constant positions leave a query without keys (cache_seqlens {n} < S={s})"
+        return _Replacement(k=k, v=v, causal=True, seqlens=("const", n),
+                            summary=f"{geometry}, causal mask with constant positions, cache_seqlens = {n}")
+    where = f"{proof.leaf.name}.flatten()[{proof.index} + {proof.stride} * b] + {proof.offset}"
+    return _Replacement(k=k, v=v, causal=True,
+                        seqlens=("leaf", proof.leaf, proof.index, proof.stride, proof.offset),
+                        summary=f"{geometry}, causal up to a position, cache_seqlens = clamp({where}, 0, {length})")
+
+
+class _Builder:
+    """Inserts nodes before `anchor`, each with its fake "val"; can take them all back."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node, fake_mode):
+        self.graph, self.anchor, self.mode, self.added = graph, anchor, fake_mode, []
+
+    def __call__(self, target, *args, **kwargs) -> fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        self.added.append(node)
+        fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.mode:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        return node
+
+    def undo(self) -> None:
+        for node in reversed(self.added):
+            self.graph.erase_node(node)
+
+
+def _seqlens(add: _Builder, rep: _Replacement, batch: int, length: int, device) -> fx.Node:
+    if rep.seqlens[0] == "const":
+        return add(aten.full.default, [batch], rep.seqlens[1], dtype=torch.int32, device=device, pin_memory=False)
+    _, leaf, index, stride, offset = rep.seqlens
+    flat = add(aten.reshape.default, leaf, [-1])
+    if stride == 0 or batch == 1:
+        pos = add(aten.expand.default, add(aten.select.int, flat, 0, index), [batch])
+    else:
+        pos = add(aten.slice.Tensor, flat, 0, index, index + stride * (batch - 1) + 1, stride)
+    pos = add(aten.clamp_max.default, add(aten.clamp_min.default, add(aten.add.Tensor, pos, offset), 0), length)
+    return add(aten.clone.default, add(prims.convert_element_type.default, pos, torch.int32),
+               memory_format=torch.contiguous_format)
+
+
+def _apply(call: SdpaCall, rep: _Replacement) -> None:
+    graph = call.node.graph
+    q_val, k_val = _val(call.q), _val(rep.k)
+    batch, length, device = int(k_val.shape[0]), int(k_val.shape[2]), q_val.device
+    add = _Builder(graph, call.node, _inductor.fake_mode_of([q_val, k_val]))
+    try:
+        q = add(aten.permute.default, call.q, [0, 2, 1, 3])  # [B, S, Hq, D]
+        iota = add(prims.iota.default, batch, start=0, step=1, dtype=torch.int32, device=device, requires_grad=False)
+        pages = add(aten.unsqueeze.default, iota, 1)
+        seqlens = _seqlens(add, rep, batch, length, device)
+        pair = add(torch.ops.b12x.paged_attention.default, q, rep.k, rep.v, pages, seqlens, None,
+                   kv_layout="HND", causal=rep.causal, scale=call.scale)
+        out = add(aten.permute.default, add(operator.getitem, pair, 0), [0, 2, 1, 3])  # [B, Hq, S, D]
+    except Exception:
+        add.undo()
+        raise
+    old_inputs = [n for n in (call.k, call.v, call.mask) if isinstance(n, fx.Node)]
+    call.output.replace_all_uses_with(out)
+    for user in list(call.node.users):
+        graph.erase_node(user)
+    if call.output is not call.node:
+        graph.erase_node(call.node)
+    _erase_dead(graph, old_inputs)
+
+
+def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erases the now unused, side-effect-free producers of the old inputs (the repeat_kv copies)."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node.users or node.op != "call_function" or node.graph is not graph:
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or schema.is_mutable or node.target.namespace not in ("aten", "prims"):
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        stack.extend(inputs)
+
+
+def _form(node: fx.Node) -> str:
+    return f"{node.target.namespace}.{node.target.__name__}"
+
+
+def rewrite_graph(gm_or_graph) -> list[Decision]:
+    """Substitutes every provable attention call of the graph; returns one Decision per call."""
+    graph = gm_or_graph.graph if isinstance(gm_or_graph, fx.GraphModule) else gm_or_graph
+    gm = gm_or_graph if isinstance(gm_or_graph, fx.GraphModule) else graph.owning_module
+    decisions = []
+    for node in list(graph.nodes):
+        if is_math_form(node):
+            decisions.append(Decision(node=node.name, op="math decomposition", substituted=False,
+                                      reason="SDPA's math form (dropout, or what the fused kernels refuse) is "
+                                             "not matched"))
+        call = match(node)
+        if call is None:
+            continue
+        name, form = node.name, _form(node)
+        rep = decide(call, gm)
+        if isinstance(rep, str):
+            decisions.append(Decision(node=name, op=form, substituted=False, reason=rep))
+            continue
+        try:
+            _apply(call, rep)
+        except Exception as e:  # the op's own checks (its fake) refused the call
+            decisions.append(Decision(node=name, op=form, substituted=False,
+                                      reason=f"the op refused it: {type(e).__name__}: {e}"))
+            continue
+        decisions.append(Decision(node=name, op=form, substituted=True, reason=rep.summary))
+    if any(d.substituted for d in decisions):
+        graph.lint()
+    return decisions
+
+
+class SdpaSubstitution:
+    """The rewrite registered in `cache.GRAPH_PASS.rewrites`; off until enabled."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.last: tuple[Decision, ...] = ()
+
+    def cache_state(self) -> str:
+        return f"sdpa-substitution-{'on' if self.enabled else 'off'}"
+
+    def __call__(self, graph) -> None:
+        if not self.enabled:
+            return
+        decisions = rewrite_graph(graph)
+        if decisions:
+            self.last = tuple(decisions)
+        for d in decisions:
+            log.info("%s", d)
+
+
+REWRITE = SdpaSubstitution()

@@ -1,0 +1,425 @@
+"""Automatic SDPA -> b12x.paged_attention substitution (b12x_inductor.substitution, lowering/substitute.py).
+
+Fast checks trace small functions with make_fx (the same backend-op graph the post-grad pass sees), run
+the rewrite and compare the rewritten graph with the original on random inputs. Four model styles are then
+compiled with Inductor: substitution count, outputs against the eager model (the pass off), fullgraph (no
+graph break) and error_on_recompile across decode steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import b12x_inductor
+from b12x_inductor import substitution
+from b12x_inductor.lowering import cache
+from b12x_inductor.lowering.substitute import rewrite_graph
+
+B, HQ, HKV, D, L = 2, 4, 2, 64, 32
+
+
+def _rand(*shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+def _rewrite(fn, *args):
+    """(decisions, original graph module, rewritten graph module) of fn traced on args."""
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    new = copy.deepcopy(gm)
+    decisions = rewrite_graph(new)
+    new.recompile()
+    return decisions, gm, new
+
+
+def _check_same(fn, *args, substituted: bool, reason: str = ""):
+    decisions, gm, new = _rewrite(fn, *args)
+    assert len(decisions) == 1, decisions
+    assert decisions[0].substituted == substituted, decisions[0]
+    assert reason in decisions[0].reason, decisions[0]
+    names = [n.target for n in new.graph.nodes if n.op == "call_function"]
+    assert (torch.ops.b12x.paged_attention.default in names) == substituted
+    torch.testing.assert_close(new(*args), gm(*args), atol=2e-5, rtol=1e-5)
+    return decisions[0]
+
+
+def _sdpa_gqa(q, k, v, mask=None, **kw):
+    rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                          attn_mask=mask, **kw)
+
+
+def _decode_args(pos, s=1):
+    return _rand(B, HQ, s, D), _rand(B, HKV, L, D), _rand(B, HKV, L, D), pos
+
+
+# ---- masks built from positions: proven and substituted ----
+
+@pytest.mark.parametrize("pos", [0, 7, 31])
+@pytest.mark.parametrize("style", ["le", "lt", "not_gt", "additive_where", "masked_fill", "finfo_min"])
+def test_position_masks_are_substituted(style, pos):
+    def fn(q, k, v, input_pos):
+        j = torch.arange(L)[None, None, None, :]
+        p = input_pos[None, None, :, None]
+        if style == "le":
+            mask = j <= p
+        elif style == "lt":
+            mask = j < p + 1
+        elif style == "not_gt":
+            mask = ~(j > p)
+        elif style == "additive_where":
+            mask = torch.where(p >= j, 0.0, float("-inf"))
+        elif style == "masked_fill":
+            mask = torch.zeros(1, 1, 1, L).masked_fill(j > p, float("-inf"))
+        else:
+            mask = torch.zeros(1, 1, 1, L).masked_fill(~(j <= p), torch.finfo(torch.float32).min)
+        return _sdpa_gqa(q, k, v, mask)
+
+    d = _check_same(fn, *_decode_args(torch.tensor([pos])), substituted=True, reason="causal up to a position")
+    assert "input_pos" in d.reason
+
+
+def test_per_request_positions_are_substituted():
+    """torchtune-style [B, S] positions, one per request: cache_seqlens[b] reads request b's position."""
+    def fn(q, k, v, input_pos):  # input_pos [B, 1]
+        mask = torch.arange(L)[None, None, :] <= input_pos[:, :, None]  # [B, 1, L]
+        return _sdpa_gqa(q, k, v, mask[:, None])
+
+    d = _check_same(fn, *_decode_args(torch.tensor([[3], [20]])), substituted=True)
+    assert "1 * b" in d.reason
+
+
+def test_consecutive_in_graph_positions_are_substituted():
+    """S > 1 queries at start + arange(S): provably consecutive, so bottom-right causal is exact."""
+    def fn(q, k, v, start):
+        pos = torch.arange(4) + start
+        mask = torch.arange(L)[None, None, None, :] <= pos[None, None, :, None]
+        return _sdpa_gqa(q, k, v, mask)
+
+    _check_same(fn, *_decode_args(torch.tensor(9), s=4), substituted=True)
+
+
+def test_unmasked_and_causal_self_attention():
+    q, k, v = _rand(B, HQ, 8, D), _rand(B, HKV, 8, D), _rand(B, HKV, 8, D)
+    _check_same(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                q, k, v, substituted=True, reason="causal=True")
+    _check_same(lambda q, k, v: _sdpa_gqa(q, k, v), q, k, v, substituted=True, reason="causal=False")
+    tril = lambda q, k, v: _sdpa_gqa(q, k, v, torch.ones(8, 8, dtype=torch.bool).tril())  # noqa: E731
+    _check_same(tril, q, k, v, substituted=True, reason="constant positions")
+
+
+# ---- left alone, with the reason ----
+
+def test_arbitrary_additive_mask_is_left_alone():
+    fn = lambda q, k, v, bias: _sdpa_gqa(q, k, v, bias)  # noqa: E731
+    _check_same(fn, *_decode_args(_rand(B, 1, 1, L)), substituted=False, reason="whose values are unknown")
+
+
+def test_cross_attention_with_padding_mask_is_left_alone():
+    def fn(q, k, v, keep):  # encoder keys, a key-padding mask: not causal
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+
+    q, k, v = _rand(B, HQ, 5, D), _rand(B, HQ, 12, D), _rand(B, HQ, 12, D)
+    keep = torch.rand(B, 12) > 0.3
+    keep[:, 0] = True
+    _check_same(fn, q, k, v, keep, substituted=False, reason="mask not proven causal")
+
+
+def test_buffer_mask_gpt_fast_idiom_is_left_alone():
+    """gpt-fast indexes a tril buffer by input_pos: the buffer is a graph input, its values unknown."""
+    def fn(q, k, v, causal_mask, input_pos):
+        return _sdpa_gqa(q, k, v, causal_mask[None, None, input_pos])
+
+    tril = torch.ones(L, L, dtype=torch.bool).tril()
+    _check_same(fn, *_decode_args(tril), torch.tensor([5]), substituted=False, reason="causal_mask")
+
+
+@pytest.mark.parametrize("case", ["window", "several_runtime_positions", "top_left_causal", "head_dim"])
+def test_other_refusals(case):
+    if case == "window":
+        def fn(q, k, v, p):
+            j = torch.arange(L)
+            return _sdpa_gqa(q, k, v, (j <= p[:, None]) & (j > p[:, None] - 8))
+        args, reason = _decode_args(torch.tensor([20])), "several position conditions"
+    elif case == "several_runtime_positions":
+        def fn(q, k, v, p):
+            return _sdpa_gqa(q, k, v, torch.arange(L) <= p[:, None])
+        args, reason = _decode_args(torch.tensor([3, 4, 5]), s=3), "not provably consecutive"
+    elif case == "top_left_causal":
+        fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+        args, reason = (_rand(B, HQ, 2, D), _rand(B, HQ, 9, D), _rand(B, HQ, 9, D)), "top-left"
+    else:
+        fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
+        args, reason = (_rand(B, HQ, 2, 32), _rand(B, HQ, 9, 32), _rand(B, HQ, 9, 32)), "head dim 32"
+    _check_same(fn, *args, substituted=False, reason=reason)
+
+
+def test_dropout_is_left_alone():
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)  # noqa: E731
+    decisions, _, new = _rewrite(fn, _rand(B, HQ, 4, D), _rand(B, HQ, 4, D), _rand(B, HQ, 4, D))
+    assert [d.reason for d in decisions] == ["SDPA's math form (dropout, or what the fused kernels refuse) is "
+                                             "not matched"]
+    direct = lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.1)[0]  # noqa
+    decisions, _, _ = _rewrite(direct, _rand(B, HQ, 4, D), _rand(B, HQ, 4, D), _rand(B, HQ, 4, D))
+    assert not decisions[0].substituted and "dropout_p=0.1" in decisions[0].reason
+
+
+def test_fp32_on_cuda_is_left_alone():
+    """The CUDA efficient-attention form, traced with fake CUDA tensors (no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fn(q, k, v, p):
+        bias = torch.where(torch.arange(L, device=q.device) <= p, 0.0, float("-inf")).expand(B, HQ, 1, L)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, False)[0]
+
+    for dtype, substituted, reason in ((torch.float32, False, "torch.float32 on cuda"),
+                                       (torch.bfloat16, True, "causal up to a position")):
+        with FakeTensorMode():
+            args = [torch.empty(B, HQ, 1, D, device="cuda", dtype=dtype)]
+            args += [torch.empty(B, HQ, L, D, device="cuda", dtype=dtype) for _ in range(2)]
+            args.append(torch.zeros(1, dtype=torch.long, device="cuda"))
+            gm = make_fx(fn, tracing_mode="fake")(*args)
+        (decision,) = rewrite_graph(gm)
+        assert decision.substituted == substituted and reason in decision.reason, decision
+
+
+def test_switch_enters_the_cache_key():
+    assert substitution.last_decisions is b12x_inductor.last_decisions
+    with substitution.substituting(True):
+        on = cache.GRAPH_PASS.uuid()
+        with substitution.substituting(False):
+            off = cache.GRAPH_PASS.uuid()
+            assert not substitution.is_enabled()
+        assert substitution.is_enabled()
+    assert on != off and on.endswith("sdpa-substitution-on")
+
+
+# ---- four model styles under torch.compile ----
+
+class _GptFastAttention(nn.Module):
+    """gpt-fast's Attention: fused wqkv, KV cache buffers written at input_pos, repeat_interleave GQA."""
+
+    def __init__(self, dim, max_len, batch):
+        super().__init__()
+        self.wqkv = nn.Linear(dim, (HQ + 2 * HKV) * D, bias=False)
+        self.wo = nn.Linear(HQ * D, dim, bias=False)
+        self.register_buffer("k_cache", torch.randn(batch, HKV, max_len, D))
+        self.register_buffer("v_cache", torch.randn(batch, HKV, max_len, D))
+
+    def forward(self, x, mask, input_pos):
+        b, s, _ = x.shape
+        q, k, v = self.wqkv(x).split([HQ * D, HKV * D, HKV * D], dim=-1)
+        q, k, v = (t.view(b, s, -1, D).transpose(1, 2) for t in (q, k, v))
+        self.k_cache[:, :, input_pos] = k
+        self.v_cache[:, :, input_pos] = v
+        k = self.k_cache.repeat_interleave(HQ // HKV, dim=1)
+        v = self.v_cache.repeat_interleave(HQ // HKV, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+        return self.wo(y.transpose(1, 2).contiguous().view(b, s, HQ * D))
+
+
+class GptFast(nn.Module):
+    """A gpt-fast-style decoder; the mask is built from input_pos (gpt-fast indexes a tril buffer, which
+    is not provable: see test_buffer_mask_gpt_fast_idiom_is_left_alone)."""
+
+    def __init__(self, layers=2, vocab=64, max_len=L, batch=B):
+        super().__init__()
+        dim = HQ * D
+        self.max_len = max_len
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_GptFastAttention(dim, max_len, batch) for _ in range(layers))
+        self.mlps = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU())
+                                  for _ in range(layers))
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx, input_pos):
+        mask = torch.arange(self.max_len, device=idx.device)[None, None, None, :] <= input_pos[None, None, :, None]
+        x = self.embed(idx)
+        for attn, mlp in zip(self.layers, self.mlps):
+            x = x + attn(x, mask, input_pos)
+            x = x + mlp(x)
+        return self.out(x)
+
+
+class _TorchtuneCache(nn.Module):
+    """torchtune's KVCache: buffers and a cache_pos buffer that advances by the tokens written."""
+
+    def __init__(self, batch, max_len):
+        super().__init__()
+        self.register_buffer("k_cache", torch.randn(batch, HKV, max_len, D))
+        self.register_buffer("v_cache", torch.randn(batch, HKV, max_len, D))
+        self.register_buffer("cache_pos", torch.arange(max_len), persistent=False)
+
+    def update(self, k, v):
+        s = k.shape[2]
+        self.k_cache[:, :, self.cache_pos[:s]] = k
+        self.v_cache[:, :, self.cache_pos[:s]] = v
+        self.cache_pos.add_(s)
+        return self.k_cache, self.v_cache
+
+
+class Torchtune(nn.Module):
+    def __init__(self, batch=B, max_len=L):
+        super().__init__()
+        dim = HQ * D
+        self.max_len = max_len
+        self.q, self.k, self.v = (nn.Linear(dim, h * D, bias=False) for h in (HQ, HKV, HKV))
+        self.o = nn.Linear(dim, dim, bias=False)
+        self.kv_cache = _TorchtuneCache(batch, max_len)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        pos = self.kv_cache.cache_pos[:s]
+        mask = (torch.arange(self.max_len)[None, None, :] <= pos[None, :, None]).expand(b, s, self.max_len)
+        q, k, v = (proj(x).view(b, s, -1, D).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        k, v = self.kv_cache.update(k, v)
+        shape = (b, HKV, HQ // HKV, self.max_len, D)
+        k = k.unsqueeze(2).expand(shape).flatten(1, 2)
+        v = v.unsqueeze(2).expand(shape).flatten(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, :, :])
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class NanoGptBlock(nn.Module):
+    def __init__(self, dim=HQ * D):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.c_attn, self.c_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, HQ, D).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+@pytest.fixture
+def fresh_compile():
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False), torch.no_grad():
+        yield
+    torch._dynamo.reset()
+
+
+def _steps(compiled, eager, inputs, count):
+    """Runs the compiled and eager models on each step's inputs; only the first step may compile."""
+    for i, args in enumerate(inputs):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled(*args)
+        want = eager(*args)
+        got, want = (getattr(t, "logits", t) for t in (got, want))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    decisions = substitution.last_decisions()
+    assert [d.substituted for d in decisions] == [True] * count, decisions
+
+
+def test_gpt_fast_style(fresh_compile):
+    torch.manual_seed(0)
+    model = GptFast().eval()
+    eager = copy.deepcopy(model)
+    prompt = torch.randint(0, 64, (B, 5))
+    for m in (model, eager):  # prefill (several runtime positions: left alone anyway), run eagerly
+        m(prompt, torch.arange(5))
+    with substitution.substituting():
+        compiled = torch.compile(model, fullgraph=True)
+        inputs = [(torch.randint(0, 64, (B, 1)), torch.tensor([p])) for p in (5, 6, 17)]
+        _steps(compiled, eager, inputs, count=2)
+    assert all("causal up to a position" in d.reason for d in substitution.last_decisions())
+
+
+def test_torchtune_style(fresh_compile):
+    torch.manual_seed(0)
+    model = Torchtune().eval()
+    eager = copy.deepcopy(model)
+    prompt = _rand(B, 6, HQ * D)
+    model(prompt), eager(prompt)
+    with substitution.substituting():
+        compiled = torch.compile(model, fullgraph=True)
+        _steps(compiled, eager, [(_rand(B, 1, HQ * D),) for _ in range(3)], count=1)
+    assert torch.equal(model.kv_cache.cache_pos, eager.kv_cache.cache_pos)
+
+
+def test_transformers_llama_static_cache(fresh_compile):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=HQ * D, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    eager = copy.deepcopy(model)
+    caches = [transformers.StaticCache(config=cfg, max_cache_len=L) for _ in range(2)]
+    prompt = torch.randint(0, 64, (B, 5))
+    for m, c in zip((model, eager), caches):
+        m(prompt, past_key_values=c, cache_position=torch.arange(5), use_cache=True)
+
+    def run(m, c):
+        return lambda ids, pos: m(ids, past_key_values=c, cache_position=pos, use_cache=True).logits
+
+    with substitution.substituting():
+        compiled = torch.compile(run(model, caches[0]), fullgraph=True)
+        inputs = [(torch.randint(0, 64, (B, 1)), torch.tensor([p])) for p in (5, 6, 7)]
+        _steps(compiled, run(eager, caches[1]), inputs, count=1)
+
+
+def test_nanogpt_causal_block(fresh_compile):
+    torch.manual_seed(0)
+    block = NanoGptBlock().eval()
+    with substitution.substituting():
+        compiled = torch.compile(block, fullgraph=True)
+        _steps(compiled, block, [(_rand(B, 8, HQ * D),) for _ in range(2)], count=1)
+    assert "causal=True" in substitution.last_decisions()[0].reason
+
+
+def test_pass_off_leaves_graph_alone(fresh_compile):
+    """Disabled: the compiled model runs SDPA (and last_decisions keeps what an earlier compile did)."""
+    torch.manual_seed(0)
+    block = NanoGptBlock().eval()
+    before = substitution.last_decisions()
+    with substitution.substituting(False):
+        compiled = torch.compile(block, fullgraph=True)
+        x = _rand(B, 8, HQ * D)
+        torch.testing.assert_close(compiled(x), block(x), atol=1e-4, rtol=1e-4)
+    assert substitution.last_decisions() == before
+
+
+# ---- CUDA forms (GPU machine) ----
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "FLASH_ATTENTION", "MATH"])
+def test_cuda_forms(fresh_compile, backend):
+    """bf16 on CUDA: the decode model (mask -> efficient / cuDNN attn_bias) and the causal block (flash)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    masked = backend in ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+    with sdpa_kernel([getattr(SDPBackend, backend)]), substitution.substituting():
+        if masked or backend == "MATH":
+            model = GptFast(layers=1).cuda().to(torch.bfloat16).eval()
+            eager = copy.deepcopy(model)
+            compiled = torch.compile(model, fullgraph=True)
+            inputs = [(torch.randint(0, 64, (B, 1), device="cuda"), torch.tensor([p], device="cuda"))
+                      for p in (3, 4)]
+        else:
+            model = NanoGptBlock().cuda().to(torch.bfloat16).eval()
+            eager = compiled = None
+            compiled, eager = torch.compile(model, fullgraph=True), model
+            inputs = [(_rand(B, 8, HQ * D, dtype=torch.bfloat16, device="cuda"),) for _ in range(2)]
+        for i, args in enumerate(inputs):
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                got = compiled(*args)
+            torch.testing.assert_close(got.float(), eager(*args).float(), atol=3e-2, rtol=3e-2)
+    decisions = substitution.last_decisions()
+    if backend == "MATH":
+        assert decisions and not any(d.substituted for d in decisions), decisions
+    else:
+        assert [d.substituted for d in decisions] == [True], decisions
