@@ -19,7 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import b12x_inductor
 from b12x_inductor import substitution
 from b12x_inductor.lowering import cache
-from b12x_inductor.lowering.substitute import rewrite_graph
+from b12x_inductor.lowering.substitute import REWRITE, rewrite_graph
 
 B, HQ, HKV, D, L = 2, 4, 2, 64, 32
 
@@ -173,8 +173,10 @@ def test_fp32_on_cuda_is_left_alone():
     """The CUDA efficient-attention form, traced with fake CUDA tensors (no GPU needed)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def fn(q, k, v, p):
-        bias = torch.where(torch.arange(L, device=q.device) <= p, 0.0, float("-inf")).expand(B, HQ, 1, L)
+    def fn(q, k, v, p):  # what SDPA does to a bool mask for this kernel: additive, padded, expanded
+        mask = torch.arange(L, device=q.device).view(1, 1, 1, L) <= p.view(1, 1, 1, 1)
+        bias = torch.where(mask.logical_not(), float("-inf"), torch.scalar_tensor(0.0, device=q.device))
+        bias = torch.ops.aten.constant_pad_nd(bias, [0, 8]).narrow(-1, 0, L).expand(B, HQ, 1, L)
         return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, False)[0]
 
     for dtype, substituted, reason in ((torch.float32, False, "torch.float32 on cuda"),
@@ -304,6 +306,7 @@ class NanoGptBlock(nn.Module):
 @pytest.fixture
 def fresh_compile():
     torch._dynamo.reset()
+    REWRITE.last = ()
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False), torch.no_grad():
         yield
@@ -380,15 +383,20 @@ def test_nanogpt_causal_block(fresh_compile):
 
 
 def test_pass_off_leaves_graph_alone(fresh_compile):
-    """Disabled: the compiled model runs SDPA (and last_decisions keeps what an earlier compile did)."""
+    """Disabled: the graph keeps SDPA; nothing is decided."""
     torch.manual_seed(0)
     block = NanoGptBlock().eval()
-    before = substitution.last_decisions()
-    with substitution.substituting(False):
-        compiled = torch.compile(block, fullgraph=True)
-        x = _rand(B, 8, HQ * D)
-        torch.testing.assert_close(compiled(x), block(x), atol=1e-4, rtol=1e-4)
-    assert substitution.last_decisions() == before
+    seen = []
+    cache.GRAPH_PASS.rewrites.append(lambda graph: seen.extend(str(n.target) for n in graph.nodes))
+    try:
+        with substitution.substituting(False):
+            compiled = torch.compile(block, fullgraph=True)
+            x = _rand(B, 8, HQ * D)
+            torch.testing.assert_close(compiled(x), block(x), atol=1e-4, rtol=1e-4)
+    finally:
+        cache.GRAPH_PASS.rewrites.pop()
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in seen
+    assert "b12x.paged_attention.default" not in seen and substitution.last_decisions() == ()
 
 
 # ---- CUDA forms (GPU machine) ----
@@ -397,29 +405,31 @@ def test_pass_off_leaves_graph_alone(fresh_compile):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "FLASH_ATTENTION", "MATH"])
 def test_cuda_forms(fresh_compile, backend):
-    """bf16 on CUDA: the decode model (mask -> efficient / cuDNN attn_bias) and the causal block (flash)."""
+    """bf16 on CUDA: the decode model (mask -> efficient / cuDNN attn_bias, or math) and the causal block
+    (flash, which takes no mask)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
-    masked = backend in ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
     with sdpa_kernel([getattr(SDPBackend, backend)]), substitution.substituting():
-        if masked or backend == "MATH":
+        if backend == "FLASH_ATTENTION":
+            model = NanoGptBlock().cuda().to(torch.bfloat16).eval()
+            inputs = [(_rand(B, 8, HQ * D, dtype=torch.bfloat16, device="cuda"),) for _ in range(2)]
+        else:
             model = GptFast(layers=1).cuda().to(torch.bfloat16).eval()
-            eager = copy.deepcopy(model)
-            compiled = torch.compile(model, fullgraph=True)
             inputs = [(torch.randint(0, 64, (B, 1), device="cuda"), torch.tensor([p], device="cuda"))
                       for p in (3, 4)]
-        else:
-            model = NanoGptBlock().cuda().to(torch.bfloat16).eval()
-            eager = compiled = None
-            compiled, eager = torch.compile(model, fullgraph=True), model
-            inputs = [(_rand(B, 8, HQ * D, dtype=torch.bfloat16, device="cuda"),) for _ in range(2)]
+        eager = copy.deepcopy(model)
+        try:
+            copy.deepcopy(model)(*inputs[0])
+        except RuntimeError as e:  # e.g. cuDNN attention refusing this problem on this build
+            pytest.skip(f"{backend} does not run this model eagerly: {e}")
+        compiled = torch.compile(model, fullgraph=True)
         for i, args in enumerate(inputs):
             with torch._dynamo.config.patch(error_on_recompile=i > 0):
                 got = compiled(*args)
             torch.testing.assert_close(got.float(), eager(*args).float(), atol=3e-2, rtol=3e-2)
     decisions = substitution.last_decisions()
-    if backend == "MATH":
-        assert decisions and not any(d.substituted for d in decisions), decisions
+    if backend == "MATH":  # reported as the math form, or rebuilt into SDPA by Inductor's fusion and proven
+        assert decisions, "the math form was neither reported nor substituted"
     else:
         assert [d.substituted for d in decisions] == [True], decisions
