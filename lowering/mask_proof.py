@@ -249,6 +249,9 @@ def _pad(ev, node, x, pad, value=0.0):
     where = tuple(slice(pad[2 * (rank - 1 - d)], pad[2 * (rank - 1 - d)] + s) if 2 * (rank - 1 - d) < len(pad)
                   else slice(None) for d, s in enumerate(_shape(x)))
 
+    if isinstance(x, _Bool):
+        raise Unprovable(f"{node.name} pads a bool mask")
+
     def fn(t, e):
         new = t.new_zeros(*out_shape, *t.shape[t.dim() - e:])
         if e == 0:
@@ -263,7 +266,7 @@ def _pad(ev, node, x, pad, value=0.0):
 
 def _convert(ev, node, x, *args, **kwargs):
     dtype = _val(node).dtype
-    if isinstance(x, _Int) and not dtype.is_floating_point and dtype != torch.bool:
+    if isinstance(x, _Int) and dtype in (torch.int64, torch.int32):  # positions stay far below 2**31
         return x
     if isinstance(x, _Bool) and dtype == torch.bool:
         return x

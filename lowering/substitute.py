@@ -124,6 +124,8 @@ def decide(call: SdpaCall, gm: fx.GraphModule | None = None) -> _Replacement | s
         proof = prove_causal(call.mask, batch=b, heads=hq, q_len=s, kv_len=length, graph_module=gm)
     except Unprovable as e:
         return f"mask not proven causal: {e}"
+    except Exception as e:  # anything unexpected in the analysis: leave the call alone
+        return f"mask analysis failed ({type(e).__name__}: {e})"
     if not proof.causal:
         return _Replacement(k=k, v=v, causal=False, seqlens=("const", length),
                             summary=f"{geometry}, the mask hides nothing, cache_seqlens = L")
@@ -227,11 +229,20 @@ def rewrite_graph(gm_or_graph) -> list[Decision]:
             decisions.append(Decision(node=node.name, op="math decomposition", substituted=False,
                                       reason="SDPA's math form (dropout, or what the fused kernels refuse) is "
                                              "not matched"))
-        call = match(node)
+        name = node.name
+        try:
+            call = match(node)
+        except Exception as e:
+            decisions.append(Decision(node=name, op=str(node.target), substituted=False,
+                                      reason=f"its arguments could not be read ({type(e).__name__}: {e})"))
+            continue
         if call is None:
             continue
-        name, form = node.name, _form(node)
-        rep = decide(call, gm)
+        form = _form(node)
+        try:
+            rep = decide(call, gm)
+        except Exception as e:
+            rep = f"analysis failed ({type(e).__name__}: {e})"
         if isinstance(rep, str):
             decisions.append(Decision(node=name, op=form, substituted=False, reason=rep))
             continue
