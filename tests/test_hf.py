@@ -12,6 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers.cache_utils import StaticLayer  # noqa: E402
 from transformers.generation.configuration_utils import CompileConfig  # noqa: E402
 
 import b12x_inductor  # noqa: E402
@@ -43,7 +44,7 @@ def prompts(batch, seed, length=12):
 
 
 def cache_kwarg(model, cache) -> dict:
-    """generate's name for a user cache: `cache` from transformers 5.20, `past_key_values` before."""
+    """generate's name for a user cache: `cache` in newer transformers (5.24), `past_key_values` before."""
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     return {name: cache}
 
@@ -51,7 +52,8 @@ def cache_kwarg(model, cache) -> dict:
 def generate(model, impl, ids, mask, **kw):
     model.set_attn_implementation(impl)
     kw.setdefault("disable_compile", True)
-    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, **kw)
+    kw.setdefault("max_new_tokens", NEW_TOKENS)
+    return model.generate(ids, attention_mask=mask, do_sample=False, **kw)
 
 
 def sdpa_tokens(model, ids, mask):
@@ -121,6 +123,22 @@ def test_from_pretrained_and_set_attn_implementation(tmp_path):
     got = loaded.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                           cache_implementation="static", disable_compile=True)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cache", ["static", "b12x"])
+def test_assisted_generation_checks_drafts_through_verify(cache, spy):
+    """Assisted generation: the target model checks the draft tokens in one forward (verify plan)."""
+    if cache == "static" and not hasattr(StaticLayer, "crop"):  # e.g. 5.17: no assisted generate with it
+        pytest.skip("this transformers version cannot crop a StaticCache")
+    model, draft = make_model("llama"), make_model("llama", seed=1, num_hidden_layers=1)
+    ids, mask = prompts(1, seed=5, length=20)
+    want = sdpa_tokens(model, ids, mask)
+    draft.set_attn_implementation("b12x")
+    kw = dict(cache_implementation="static") if cache == "static" else cache_kwarg(model, new_b12x_cache(model, 1))
+    got = generate(model, "b12x", ids, mask, assistant_model=draft, **kw)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    verify = [shape for shape in spy if 2 <= shape[1] <= 16]
+    assert verify and spy[0][1] == 20, spy  # draft checks, after an extend-plan prefill
 
 
 def _compile_config(backend="inductor"):
@@ -200,3 +218,32 @@ def test_sliding_window_model_fails_with_a_clear_message():
     ids, mask = prompts(1, seed=6)
     with pytest.raises(ValueError, match=r"sliding.*sdpa"):
         generate(model, "b12x", ids, mask, cache_implementation="static")
+
+
+@pytest.mark.gpu
+def test_gpu_llama_1b_bf16_tokens_equal_sdpa():
+    """A Llama-3.2-1B-shaped random-weight model in bf16 on CUDA, generate compiled with reduce-overhead:
+    b12x over the static cache and over a B12xCache give SDPA's greedy tokens (left-padded batch of 4)."""
+    from torch._dynamo.utils import counters
+
+    from b12x_inductor.bench.hf import LLAMA_1B, build_model
+
+    model = build_model(LLAMA_1B, torch.device("cuda"), torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, LLAMA_1B["vocab_size"], (4, 200), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :50] = 0
+    mask[2, :130] = 0
+    ids, mask = ids.masked_fill(mask == 0, 0).cuda(), mask.cuda()
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    kw = dict(max_new_tokens=24, compile_config=config, disable_compile=False)
+    want = generate(model, "sdpa", ids, mask, cache_implementation="static", max_cache_len=512, **kw)
+    counters.clear()
+    got = {"static": generate(model, "b12x", ids, mask, cache_implementation="static", max_cache_len=512, **kw)}
+    paged = hf.B12xCache(model.config, max_batch_size=4, max_cache_len=512, device="cuda", dtype=torch.bfloat16)
+    got["b12x"] = generate(model, "b12x", ids, mask, **cache_kwarg(model, paged), **kw)
+    for name, tokens in got.items():
+        diff = (tokens != want).nonzero()
+        assert not len(diff), f"{name}: first differing (row, position) {diff[0].tolist()}"
+    assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
