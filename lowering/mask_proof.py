@@ -13,6 +13,7 @@ proof, not a test. Anything the evaluator does not model (a bool or float tensor
 leaves the graph alone. `prove_causal` then checks that the mask, broadcast to [B, H, S, L], is exactly
 `j <= T[b, i]` with T[b, i] = T[b, S-1] - (S-1-i) (consecutive query positions) and T[b, S-1] one
 position variable + a constant: the paged op with causal=True and cache_seqlens[b] = T[b, S-1] + 1.
+A second condition `j >= T[b, i] - W` (a sliding window, W constant) becomes window_left=W.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ class Unprovable(Exception):
 @dataclass(frozen=True, kw_only=True)
 class CausalMask:
     """What a proven mask means: cache_seqlens[b] = leaf.flatten()[index + stride * b] + offset (leaf
-    None: offset alone), causal=True; or causal=False, every key visible."""
+    None: offset alone), causal=True with window_left (-1: none); or causal=False, every key visible."""
 
     causal: bool
     leaf: fx.Node | None = None
     index: int = 0
     stride: int = 0
     offset: int = 0
+    window_left: int = -1
 
 
 @dataclass
@@ -509,6 +511,12 @@ def _as_bool(x) -> _Bool:
     raise Unprovable("the additive mask has values other than 0 and -inf")
 
 
+def _causal_t(form: torch.Tensor, j: torch.Tensor, unit: torch.Tensor) -> torch.Tensor | None:
+    """T [mb, mh, ms, n + 1] if form [mb, mh, ms, L, n + 1] is T - j everywhere, else None."""
+    t = form[:, :, :, 0]
+    return t if bool((form == t[:, :, :, None] - j[:, None] * unit).all()) else None
+
+
 def prove_causal(mask: fx.Node, *, batch: int, heads: int, q_len: int, kv_len: int,
                  graph_module: fx.GraphModule | None = None) -> CausalMask:
     """Proves mask (broadcastable to [batch, heads, q_len, kv_len]) is position-causal; see the module doc."""
@@ -524,14 +532,27 @@ def prove_causal(mask: fx.Node, *, batch: int, heads: int, q_len: int, kv_len: i
     k = m.p.shape[-2]
     if k == 0:
         return CausalMask(causal=False)
-    if k > 1:
-        raise Unprovable("the mask is a conjunction of several position conditions (a window or padding?)")
+    if k > 2:
+        raise Unprovable(f"the mask is a conjunction of {k} position conditions")
     if shape[3] != kv_len:
         raise Unprovable("the mask does not vary along the keys")
-    form = m.p[..., 0, :].reshape(*shape, -1)  # [mb, mh, ms, L, n + 1]
-    unit = torch.zeros(form.shape[-1], dtype=torch.long)
+    forms = m.p.reshape(*shape, k, -1)  # [mb, mh, ms, L, k, n + 1]
+    unit = torch.zeros(forms.shape[-1], dtype=torch.long)
     unit[0] = 1
     j = torch.arange(kv_len)
+    window_left = -1
+    if k == 2:  # causal and a window: (T - j >= 0) and (j - T + W >= 0), W the same everywhere
+        both = forms.sum(-2)
+        w = int(both.flatten()[0])
+        if bool(both[..., 1:].any()) or not bool((both[..., 0] == w).all()) or w < 0:
+            raise Unprovable("the mask is a conjunction of two conditions that are not causal + a window")
+        window_left = w
+        causal_slot = [i for i in range(2) if _causal_t(forms[..., i, :], j, unit) is not None]
+        if not causal_slot:
+            raise Unprovable("the mask is not 'key <= query position' (not causal up to a position)")
+        form = forms[..., causal_slot[0], :]
+    else:
+        form = forms[..., 0, :]
     if not bool(form[..., 1:].any()):  # a constant mask: each row must be a prefix of the keys
         truth = form[..., 0] >= 0
         count = truth.sum(-1)
@@ -539,8 +560,8 @@ def prove_causal(mask: fx.Node, *, batch: int, heads: int, q_len: int, kv_len: i
             raise Unprovable("the constant mask is not a prefix of the keys in every row")
         t = (count - 1)[..., None] * unit
     else:
-        t = form[:, :, :, 0]  # T[b, h, i]: key j visible iff j <= T
-        if not bool((form == t[:, :, :, None] - j[:, None] * unit).all()):
+        t = _causal_t(form, j, unit)  # T[b, h, i]: key j visible iff j <= T
+        if t is None:
             raise Unprovable("the mask is not 'key <= query position' (not causal up to a position)")
     if not bool((t == t[:, :1]).all()):
         raise Unprovable("the mask differs between heads")
@@ -557,7 +578,7 @@ def prove_causal(mask: fx.Node, *, batch: int, heads: int, q_len: int, kv_len: i
     offset = int(last[0, 0]) + 1
     coef = last[:, 1:]
     if not bool(coef.any()):
-        return CausalMask(causal=True, offset=offset)
+        return CausalMask(causal=True, offset=offset, window_left=window_left)
     if not bool(((coef != 0).sum(-1) == 1).all() & (coef.sum(-1) == 1).all()):
         raise Unprovable("the query position is not a single runtime integer plus a constant")
     var = coef.argmax(-1)
@@ -567,4 +588,5 @@ def prove_causal(mask: fx.Node, *, batch: int, heads: int, q_len: int, kv_len: i
     if not bool((flat == flat[0] + stride * torch.arange(flat.numel())).all()) or bool((var < leaves[leaf]).any()) \
             or bool((flat >= _numel(_static_shape(leaf))).any()):
         raise Unprovable("requests read their positions in an irregular layout")
-    return CausalMask(causal=True, leaf=leaf, index=int(flat[0]), stride=stride, offset=offset)
+    return CausalMask(causal=True, leaf=leaf, index=int(flat[0]), stride=stride, offset=offset,
+                      window_left=window_left)

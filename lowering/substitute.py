@@ -14,7 +14,8 @@ cache_seqlens / causal, by case:
 - a mask that `mask_proof.prove_causal` proves is "key j <= position of query i" with consecutive positions
   (the static-cache decode idiom: positions from input_pos / cache_position): cache_seqlens = the last
   query's position + 1, computed on the device and clamped to [0, L], causal=True. The op reads only the
-  live keys; what the fixed buffer holds past them never mattered.
+  live keys; what the fixed buffer holds past them never mattered. A proven sliding window on top
+  (`key >= position - W`) becomes window_left=W.
 Everything else is left alone, with the reason recorded. Rows that see no key at all (negative positions)
 are outside the proof: SDPA gives NaN there and the op zeros.
 """
@@ -58,6 +59,7 @@ class _Replacement:
     causal: bool
     seqlens: tuple  # ("const", n) or ("leaf", node, index, stride, offset)
     summary: str
+    window_left: int = -1
 
 
 def _val(node) -> torch.Tensor | None:
@@ -129,16 +131,18 @@ def decide(call: SdpaCall, gm: fx.GraphModule | None = None) -> _Replacement | s
     if not proof.causal:
         return _Replacement(k=k, v=v, causal=False, seqlens=("const", length),
                             summary=f"{geometry}, the mask hides nothing, cache_seqlens = L")
+    window = f", window_left={proof.window_left}" if proof.window_left >= 0 else ""
     if proof.leaf is None:
         n = min(max(proof.offset, 0), length)
         if n < s:
             return f"constant positions leave a query without keys (cache_seqlens {n} < S={s})"
-        return _Replacement(k=k, v=v, causal=True, seqlens=("const", n),
-                            summary=f"{geometry}, causal mask with constant positions, cache_seqlens = {n}")
+        return _Replacement(k=k, v=v, causal=True, seqlens=("const", n), window_left=proof.window_left,
+                            summary=f"{geometry}, causal mask with constant positions{window}, cache_seqlens = {n}")
     where = f"{proof.leaf.name}.flatten()[{proof.index} + {proof.stride} * b] + {proof.offset}"
-    return _Replacement(k=k, v=v, causal=True,
+    return _Replacement(k=k, v=v, causal=True, window_left=proof.window_left,
                         seqlens=("leaf", proof.leaf, proof.index, proof.stride, proof.offset),
-                        summary=f"{geometry}, causal up to a position, cache_seqlens = clamp({where}, 0, {length})")
+                        summary=f"{geometry}, causal up to a position{window}, "
+                                f"cache_seqlens = clamp({where}, 0, {length})")
 
 
 class _Builder:
@@ -186,7 +190,7 @@ def _apply(call: SdpaCall, rep: _Replacement) -> None:
         pages = add(aten.unsqueeze.default, iota, 1)
         seqlens = _seqlens(add, rep, batch, length, device)
         pair = add(torch.ops.b12x.paged_attention.default, q, rep.k, rep.v, pages, seqlens, None,
-                   kv_layout="HND", causal=rep.causal, scale=call.scale)
+                   kv_layout="HND", causal=rep.causal, scale=call.scale, window_left=rep.window_left)
         out = add(aten.permute.default, add(operator.getitem, pair, 0), [0, 2, 1, 3])  # [B, Hq, S, D]
     except Exception:
         add.undo()

@@ -139,13 +139,22 @@ def test_buffer_mask_gpt_fast_idiom_is_left_alone():
     _check_same(fn, *_decode_args(tril), torch.tensor([5]), substituted=False, reason="causal_mask")
 
 
-@pytest.mark.parametrize("case", ["window", "several_runtime_positions", "top_left_causal", "head_dim"])
+@pytest.mark.parametrize("pos", [3, 20])
+def test_sliding_window_is_substituted(pos):
+    def fn(q, k, v, p):
+        j = torch.arange(L)
+        return _sdpa_gqa(q, k, v, (j <= p[:, None]) & (j > p[:, None] - 8))
+
+    _check_same(fn, *_decode_args(torch.tensor([pos])), substituted=True, reason="window_left=7")
+
+
+@pytest.mark.parametrize("case", ["runtime_window", "several_runtime_positions", "top_left_causal", "head_dim"])
 def test_other_refusals(case):
-    if case == "window":
-        def fn(q, k, v, p):
+    if case == "runtime_window":
+        def fn(q, k, v, p, width):
             j = torch.arange(L)
-            return _sdpa_gqa(q, k, v, (j <= p[:, None]) & (j > p[:, None] - 8))
-        args, reason = _decode_args(torch.tensor([20])), "several position conditions"
+            return _sdpa_gqa(q, k, v, (j <= p[:, None]) & (j > p[:, None] - width))
+        args, reason = (*_decode_args(torch.tensor([20])), torch.tensor(8)), "not causal + a window"
     elif case == "several_runtime_positions":
         def fn(q, k, v, p):
             return _sdpa_gqa(q, k, v, torch.arange(L) <= p[:, None])
