@@ -99,6 +99,35 @@ def test_greedy_tokens_equal_sdpa(arch, batch, cache, spy):
     assert len(spy) == layers * NEW_TOKENS, len(spy)  # one prefill and NEW_TOKENS - 1 decode forwards
 
 
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.bfloat16), ("qwen2", torch.float16)])
+def test_half_precision_tokens_equal_sdpa(arch, dtype):
+    model = make_model(arch, dtype=dtype)
+    ids, mask = prompts(4, seed=4)
+    want = sdpa_tokens(model, ids, mask)
+    torch.testing.assert_close(generate(model, "b12x", ids, mask, cache_implementation="static"), want)
+    got = generate(model, "b12x", ids, mask, **cache_kwarg(model, new_b12x_cache(model, 4)))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_layer_routes_through_update_kwargs_or_layer_table():
+    """transformers >= 5.24 hands the kwargs of cache.update to attention; older versions get the layer
+    through a table keyed by layer_idx, consumed by the attention call that follows."""
+    from b12x_inductor.integrations import hf_cache
+
+    model = make_model("llama")
+    paged = new_b12x_cache(model, 2)
+    layer, module = paged.layers[1], model.model.layers[1].self_attn
+    shared = {}
+    hf_cache.route(layer, {"kwargs": shared})
+    assert hf_cache.routed_layer(module, layer.keys, shared) is layer and not hf_cache._ROUTES
+    hf_cache.route(layer, {})
+    assert hf_cache.routed_layer(module, layer.keys, {}) is layer
+    assert hf_cache.routed_layer(module, layer.keys, {}) is None  # consumed
+    hf_cache.route(layer, {})
+    with pytest.raises(ValueError, match="mixing caches"):
+        hf_cache.routed_layer(module, torch.zeros(2, 2, 64, 64), {})
+
+
 def test_prefill_through_extend_plan_and_long_prompt():
     """A prompt longer than 16 tokens takes the extend plan (q [B, S > 16, Hq, D])."""
     model = make_model("llama")

@@ -43,7 +43,7 @@ def routed_layer(module: torch.nn.Module, key: torch.Tensor, attn_kwargs: dict) 
     layer = attn_kwargs.get(ROUTE_KEY)
     if layer is None:
         layer = _ROUTES.pop(getattr(module, "layer_idx", -1), None)
-    if layer is not None and key is not layer.keys:
+    if layer is not None and key.shape != layer.keys.shape:
         raise ValueError(f"b12x attention: layer {layer.layer_idx} was routed a B12xCache layer but got other keys "
                          f"(shape {tuple(key.shape)}); mixing caches in one forward is not supported")
     return layer
