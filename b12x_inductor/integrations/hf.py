@@ -9,6 +9,14 @@
     out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
 
 Transformers is imported only here (and in the tests). Tested with transformers 5.17.0 and 5.24.0.
+Importing this module registers "b12x". A B12xCache needs attn_implementation="b12x". A fresh cache per
+generate call does not recompile; reusing one (after `cache.reset()`) also keeps CUDA graphs from being
+re-recorded for new addresses. Greedy and sampling work; beam search does not (B12xCache does not
+reorder requests).
+
+What b12x cannot express fails at the first call with a ValueError that says what to use instead:
+an arbitrary 4D attention mask, right padding or holes in the padding mask, sliding-window, chunked or
+bidirectional layers, head_dim outside 64/96/128/192/256, dropout in training mode.
 
 How the pieces meet (the public surface other code may rely on):
 - `register()` adds the attention function `b12x_attention` under the name "b12x" to transformers'
