@@ -276,3 +276,28 @@ def test_gpu_llama_1b_bf16_tokens_equal_sdpa():
         assert not len(diff), f"{name}: first differing (row, position) {diff[0].tolist()}"
     assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_bench_hf_arguments_and_table(tmp_path):
+    """The `python -m b12x_inductor.bench hf` harness: options and the merged markdown table (its timed
+    runs need CUDA; `--tiny` runs them on CPU)."""
+    from b12x_inductor.bench import hf as bench
+
+    args = bench.parse_args(["--quick", "--out", str(tmp_path / "x.json")])
+    assert (args.batches, args.prompts, args.new_tokens, args.max_cache_len) == ([8], [512, 3072], 32, 4096)
+    assert bench.parse_args([]).batches == [1, 8, 32]
+    tiny = bench.parse_args(["--tiny"])
+    assert tiny.prompts[0] + tiny.new_tokens <= tiny.max_cache_len
+
+    def run_json(name, batch, sdpa, b12x):
+        row = dict(batch=batch, prompt=512, new_tokens=32, max_cache_len=4096, live_max=544,
+                   sdpa=dict(tokens_per_s=sdpa), b12x=dict(tokens_per_s=b12x), b12x_speedup=b12x / sdpa)
+        result = dict(impls=["sdpa", "b12x"], rows=[row], env=dict(device="H200", torch="t", transformers="x",
+                                                                     date="d"))
+        (tmp_path / name).write_text(bench.json.dumps(result))
+        return str(tmp_path / name)
+
+    paths = [run_json("b32.json", 32, 100.0, 150.0), run_json("b1.json", 1, 10.0, 12.5)]
+    table = bench.markdown(bench.merge(paths)).splitlines()
+    assert table[2] == "| 1 | 512 | 544 / 4096 | 10.0 | 12.5 | 1.25x |", table
+    assert table[3] == "| 32 | 512 | 544 / 4096 | 100.0 | 150.0 | 1.50x |", table

@@ -14,6 +14,7 @@ where the live length stays <= max_cache_len / 2 (prompt 512), >= 1.0x everywher
 
 Prints a markdown table and writes JSON to --out. --quick: batch 8 only, 32 new tokens, 2 repeats (about
 two minutes on an H200). --tiny: a tiny fp32 model on CPU with small sizes, to check the harness itself.
+--merge A.json B.json: one table from runs split by --batches (each batch compiles two decode graphs).
 """
 
 from __future__ import annotations
@@ -177,6 +178,8 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--paged", action="store_true", help="also time b12x with a B12xCache")
     ap.add_argument("--quick", action="store_true", help="batch 8 only, 32 new tokens, 2 repeats")
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 model on CPU: checks the harness only")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge the rows of earlier runs into --out and "
+                    "print their table (to split a long run into several commands, e.g. by --batches)")
     args = ap.parse_args(argv)
     if args.quick:
         args.batches, args.new_tokens, args.repeats = [8], 32, 2
@@ -186,11 +189,26 @@ def parse_args(argv) -> argparse.Namespace:
     return args
 
 
+def merge(paths: list[str]) -> dict:
+    results = []
+    for path in paths:
+        with open(path) as f:
+            results.append(json.load(f))
+    impls = results[0]["impls"]
+    if any(r["impls"] != impls for r in results):
+        raise SystemExit(f"bench hf --merge: runs with different implementations: {[r['impls'] for r in results]}")
+    rows = sorted((row for r in results for row in r["rows"]), key=lambda row: (row["batch"], row["prompt"]))
+    return dict(results[0], rows=rows, merged_from=paths)
+
+
 def main(argv) -> None:
     args = parse_args(argv)
-    if not args.tiny and not torch.cuda.is_available():
+    if args.merge:
+        result = merge(args.merge)
+    elif not args.tiny and not torch.cuda.is_available():
         raise SystemExit("bench hf: needs CUDA (or --tiny for a CPU dry run)")
-    result = run(args)
+    else:
+        result = run(args)
     table = markdown(result)
     print(table, flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
