@@ -25,7 +25,9 @@ import torch.fx as fx
 
 MAX_VARS = 4096
 MAX_ELEMENTS = 1 << 24  # mask elements x (variables + 1) the proof may materialize
-HIDDEN = -1e30  # an additive mask value at or below this hides the key exactly (exp underflows to 0)
+# Only -inf hides a key in every case: a finite minimum (torch.finfo(dtype).min) hides it too while the row
+# sees some key, but a row that sees none then averages all values instead of giving zeros.
+HIDDEN = float("-inf")
 
 
 class Unprovable(Exception):

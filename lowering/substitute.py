@@ -15,9 +15,11 @@ cache_seqlens / causal, by case:
   (the static-cache decode idiom: positions from input_pos / cache_position): cache_seqlens = the last
   query's position + 1, computed on the device and clamped to [0, L], causal=True. The op reads only the
   live keys; what the fixed buffer holds past them never mattered. A proven sliding window on top
-  (`key >= position - W`) becomes window_left=W.
+  (`key >= position - W`) becomes kv_start = position - W (or window_left=W for constant positions).
+  Several queries (S > 1) qualify only at constant positions: at runtime positions the op's bottom-right
+  alignment equals the mask only while the last position is < L, which the pass cannot prove.
 Everything else is left alone, with the reason recorded. Rows that see no key at all (negative positions)
-are outside the proof: SDPA gives NaN there and the op zeros.
+give zeros in the op, as in SDPA's CPU and math paths with a -inf mask.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class _Replacement:
     seqlens: tuple  # ("const", n) or ("leaf", node, index, stride, offset)
     summary: str
     window_left: int = -1
+    kv_start_shift: int | None = None  # kv_start = clamp(T + 1 - shift, 0, L): a window at a runtime position
 
 
 def _val(node) -> torch.Tensor | None:
@@ -134,15 +137,19 @@ def decide(call: SdpaCall, gm: fx.GraphModule | None = None) -> _Replacement | s
     window = f", window_left={proof.window_left}" if proof.window_left >= 0 else ""
     if proof.leaf is None:
         n = min(max(proof.offset, 0), length)
-        if n < s:
-            return f"constant positions leave a query without keys (cache_seqlens {n} < S={s})"
+        if n < s or (proof.offset > length and (s > 1 or proof.window_left >= 0)):
+            return f"constant positions past the keys or before the queries (last position + 1 = {proof.offset})"
         return _Replacement(k=k, v=v, causal=True, seqlens=("const", n), window_left=proof.window_left,
                             summary=f"{geometry}, causal mask with constant positions{window}, cache_seqlens = {n}")
+    if s > 1:  # row i sees keys <= T_i; the op's L_b - S + i equals T_i only while T_{S-1} < L
+        return (f"{s} queries at runtime positions: exact only while the last position is < L={length}, which "
+                f"the pass cannot prove")
     where = f"{proof.leaf.name}.flatten()[{proof.index} + {proof.stride} * b] + {proof.offset}"
-    return _Replacement(k=k, v=v, causal=True, window_left=proof.window_left,
-                        seqlens=("leaf", proof.leaf, proof.index, proof.stride, proof.offset),
-                        summary=f"{geometry}, causal up to a position{window}, "
-                                f"cache_seqlens = clamp({where}, 0, {length})")
+    summary = f"{geometry}, causal up to a position, cache_seqlens = clamp({where}, 0, {length})"
+    if proof.window_left >= 0:  # as kv_start, exact also where the position is past the keys
+        summary += f", kv_start = clamp({where} - {proof.window_left + 1}, 0, {length})"
+    return _Replacement(k=k, v=v, causal=True, kv_start_shift=proof.window_left + 1 if window else None,
+                        seqlens=("leaf", proof.leaf, proof.index, proof.stride, proof.offset), summary=summary)
 
 
 class _Builder:
@@ -165,18 +172,25 @@ class _Builder:
             self.graph.erase_node(node)
 
 
-def _seqlens(add: _Builder, rep: _Replacement, batch: int, length: int, device) -> fx.Node:
+def _lengths(add: _Builder, rep: _Replacement, batch: int, length: int, device) -> tuple[fx.Node, fx.Node | None]:
+    """(cache_seqlens, kv_start or None), int32 [B] on the device."""
     if rep.seqlens[0] == "const":
-        return add(aten.full.default, [batch], rep.seqlens[1], dtype=torch.int32, device=device, pin_memory=False)
+        full = add(aten.full.default, [batch], rep.seqlens[1], dtype=torch.int32, device=device, pin_memory=False)
+        return full, None
     _, leaf, index, stride, offset = rep.seqlens
     flat = add(aten.reshape.default, leaf, [-1])
     if stride == 0 or batch == 1:
         pos = add(aten.expand.default, add(aten.select.int, flat, 0, index), [batch])
     else:
         pos = add(aten.slice.Tensor, flat, 0, index, index + stride * (batch - 1) + 1, stride)
-    pos = add(aten.clamp_max.default, add(aten.clamp_min.default, add(aten.add.Tensor, pos, offset), 0), length)
-    return add(aten.clone.default, add(prims.convert_element_type.default, pos, torch.int32),
-               memory_format=torch.contiguous_format)
+
+    def clamped(shift: int) -> fx.Node:  # clamp(pos + shift, 0, L) as contiguous int32
+        x = add(aten.clamp_max.default, add(aten.clamp_min.default, add(aten.add.Tensor, pos, shift), 0), length)
+        return add(aten.clone.default, add(prims.convert_element_type.default, x, torch.int32),
+                   memory_format=torch.contiguous_format)
+
+    kv_start = None if rep.kv_start_shift is None else clamped(offset - rep.kv_start_shift)
+    return clamped(offset), kv_start
 
 
 def _apply(call: SdpaCall, rep: _Replacement) -> None:
@@ -188,9 +202,10 @@ def _apply(call: SdpaCall, rep: _Replacement) -> None:
         q = add(aten.permute.default, call.q, [0, 2, 1, 3])  # [B, S, Hq, D]
         iota = add(prims.iota.default, batch, start=0, step=1, dtype=torch.int32, device=device, requires_grad=False)
         pages = add(aten.unsqueeze.default, iota, 1)
-        seqlens = _seqlens(add, rep, batch, length, device)
+        seqlens, kv_start = _lengths(add, rep, batch, length, device)
         pair = add(torch.ops.b12x.paged_attention.default, q, rep.k, rep.v, pages, seqlens, None,
-                   kv_layout="HND", causal=rep.causal, scale=call.scale, window_left=rep.window_left)
+                   kv_layout="HND", causal=rep.causal, scale=call.scale, window_left=rep.window_left,
+                   kv_start=kv_start)
         out = add(aten.permute.default, add(operator.getitem, pair, 0), [0, 2, 1, 3])  # [B, Hq, S, D]
     except Exception:
         add.undo()
