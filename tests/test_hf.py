@@ -214,7 +214,8 @@ def test_float8_pool_close_to_bf16_pool():
             logits[kv_dtype] = model(ids, attention_mask=mask, **cache_kwarg(model, paged)).logits.float()
     err = (logits[torch.float8_e4m3fn] - logits[torch.bfloat16]).norm() / logits[torch.bfloat16].norm()
     assert 0 < err < 0.1, err  # about 0.05 here (e4m3 rounding); nonzero: the pool really is float8
-    out = generate(model, "b12x", ids, mask, **cache_kwarg(model, new_b12x_cache(model, 4, kv_dtype=torch.float8_e4m3fn)))
+    fp8 = new_b12x_cache(model, 4, kv_dtype=torch.float8_e4m3fn)
+    out = generate(model, "b12x", ids, mask, **cache_kwarg(model, fp8))
     assert out.shape == (4, 12 + NEW_TOKENS)
 
 
@@ -249,6 +250,29 @@ def test_sliding_window_model_fails_with_a_clear_message():
         generate(model, "b12x", ids, mask, cache_implementation="static")
 
 
+def assert_greedy_equal(model, ids, mask, want, got, name, ulps=4):
+    """Greedy tokens `got` equal SDPA's `want`, except where SDPA's own top-2 logit margin at the first
+    differing position of a row is within `ulps` units of rounding of the model dtype at the top logit
+    (bf16 rounding can flip such a near-tie) and `got` took SDPA's second choice; the rest of such a row
+    is not compared."""
+    model.set_attn_implementation("sdpa")
+    for row in range(want.shape[0]):
+        diff = (got[row] != want[row]).nonzero()
+        if not len(diff):
+            continue
+        pos = int(diff[0])
+        row_mask = torch.cat([mask[row], mask.new_ones(pos - mask.shape[1])])[None]
+        position_ids = (row_mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = model(want[row:row + 1, :pos], attention_mask=row_mask, position_ids=position_ids).logits
+        top = logits[0, -1].float().topk(2)
+        margin = float(top.values[0] - top.values[1])
+        tie = ulps * torch.finfo(model.dtype).eps * abs(float(top.values[0]))
+        assert int(got[row, pos]) == int(top.indices[1]) and margin <= tie, (
+            f"{name}: row {row} differs from SDPA at position {pos}: got {int(got[row, pos])}, SDPA "
+            f"{int(want[row, pos])} (SDPA top-2 {top.indices.tolist()}, margin {margin:.4f} > near-tie {tie:.4f})")
+
+
 @pytest.mark.gpu
 def test_gpu_llama_1b_bf16_tokens_equal_sdpa():
     """A Llama-3.2-1B-shaped random-weight model in bf16 on CUDA, generate compiled with reduce-overhead:
@@ -271,11 +295,10 @@ def test_gpu_llama_1b_bf16_tokens_equal_sdpa():
     got = {"static": generate(model, "b12x", ids, mask, cache_implementation="static", max_cache_len=512, **kw)}
     paged = hf.B12xCache(model.config, max_batch_size=4, max_cache_len=512, device="cuda", dtype=torch.bfloat16)
     got["b12x"] = generate(model, "b12x", ids, mask, **cache_kwarg(model, paged), **kw)
-    for name, tokens in got.items():
-        diff = (tokens != want).nonzero()
-        assert not len(diff), f"{name}: first differing (row, position) {diff[0].tolist()}"
     assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+    for name, tokens in got.items():
+        assert_greedy_equal(model, ids, mask, want, tokens, name)
 
 
 def test_bench_hf_arguments_and_table(tmp_path):
