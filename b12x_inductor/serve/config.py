@@ -1,0 +1,70 @@
+"""`ServeConfig`: every knob of the serving loop, in one frozen dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from b12x_inductor.plan import MAX_VERIFY_LEN
+
+
+def _pow2_buckets(first: int, last: int) -> tuple[int, ...]:
+    """first, 2 * first, 4 * first, ... below `last`, then `last`."""
+    out, b = [], first
+    while b < last:
+        out.append(b)
+        b *= 2
+    return (*out, last)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """Static shape of the serving loop.
+
+    num_pages x page_size token slots per layer hold the KV of all running requests. A step runs at most
+    `max_batch` requests and `token_budget` tokens. Compiled buckets: decode batches `decode_buckets`
+    (default 1, 2, 4, ..., max_batch), the same batches for verify steps of 1 + num_draft tokens per
+    request when num_draft > 0, and extend steps of `extend_buckets` packed tokens (default 128, 256, ...,
+    token_budget). Each bucket compiles once, in `warmup`.
+    """
+
+    num_pages: int = 256
+    page_size: int = 16
+    max_batch: int = 8
+    token_budget: int = 256
+    max_model_len: int = 1024
+    num_draft: int = 0  # prompt-lookup draft tokens per request in verify steps (0: no speculation)
+    max_ngram: int = 3
+    eos_token_ids: tuple[int, ...] = ()
+    decode_buckets: tuple[int, ...] | None = None
+    extend_buckets: tuple[int, ...] | None = None
+    compile: bool = True  # torch.compile(fullgraph=True) per bucket; False runs eagerly (debugging)
+    cuda_graphs: bool = True  # mode="reduce-overhead" on CUDA
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "max_batch", "token_budget", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServeConfig: {name} must be >= 1; got {getattr(self, name)}")
+        if self.token_budget < self.max_batch:
+            raise ValueError(f"ServeConfig: token_budget must be >= max_batch ({self.max_batch}); "
+                             f"got {self.token_budget}")
+        if not 0 <= self.num_draft < MAX_VERIFY_LEN:
+            raise ValueError(f"ServeConfig: num_draft must be in 0..{MAX_VERIFY_LEN - 1}; got {self.num_draft}")
+        for name, buckets, top in (("decode_buckets", self.decode_buckets, self.max_batch),
+                                   ("extend_buckets", self.extend_buckets, self.token_budget)):
+            if buckets is not None and (list(buckets) != sorted(set(buckets)) or buckets[-1] != top
+                                        or buckets[0] < 1):
+                raise ValueError(f"ServeConfig: {name} must be increasing, positive and end at {top}; "
+                                 f"got {buckets}")
+
+    @property
+    def decode_sizes(self) -> tuple[int, ...]:
+        return self.decode_buckets or _pow2_buckets(1, self.max_batch)
+
+    @property
+    def extend_sizes(self) -> tuple[int, ...]:
+        return self.extend_buckets or _pow2_buckets(min(128, self.token_budget), self.token_budget)
+
+    @property
+    def max_pages(self) -> int:
+        """Page-table columns: a request's positions plus the padding of a verify step."""
+        return -(-(self.max_model_len + self.num_draft) // self.page_size)

@@ -1,0 +1,154 @@
+"""The serving loop: requests arrive, the scheduler picks a step, the runner runs it, repeat.
+
+    engine = Engine(model, ServeConfig(num_pages=512, max_batch=16, token_budget=512))
+    engine.warmup()                        # compiles every bucket once
+    report = engine.serve(requests)        # under torch.compiler.set_stance("fail_on_recompile")
+    print(report.format())
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from b12x_inductor.serve.config import ServeConfig
+from b12x_inductor.serve.pages import PageAllocator
+from b12x_inductor.serve.runner import ModelRunner
+from b12x_inductor.serve.scheduler import Request, Scheduler
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100) of a non-empty list; nan for an empty one."""
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    x = (len(v) - 1) * q / 100
+    lo = int(x)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (x - lo)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    """What a `serve` call measured. Times in seconds; TTFT from arrival to the first token; TPOT is
+    (finish - first token) / (output tokens - 1) per request."""
+
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    throughput_tok_s: float  # output tokens / elapsed
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    tpot_p99_s: float
+    steps: int
+    preemptions: int
+    draft_acceptance: float  # accepted / proposed draft tokens (nan without drafts)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def format(self) -> str:
+        return (f"{self.requests} requests, {self.prompt_tokens} prompt + {self.output_tokens} output tokens in "
+                f"{self.elapsed_s:.2f} s ({self.steps} steps, {self.preemptions} preemptions)\n"
+                f"throughput {self.throughput_tok_s:.1f} output tokens/s\n"
+                f"TTFT p50 {self.ttft_p50_s * 1e3:.1f} ms, p99 {self.ttft_p99_s * 1e3:.1f} ms\n"
+                f"TPOT p50 {self.tpot_p50_s * 1e3:.2f} ms, p99 {self.tpot_p99_s * 1e3:.2f} ms\n"
+                f"draft acceptance {self.draft_acceptance:.2f}")
+
+
+class Engine:
+    def __init__(self, model, config: ServeConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(model, config)
+        self.pages = PageAllocator(config.num_pages, config.page_size)
+        self.scheduler = Scheduler(config, self.pages)
+        self.steps = 0
+        self.warm = False
+
+    def reset(self, *, num_pages: int | None = None, num_draft: int | None = None,
+              eos_token_ids: tuple[int, ...] | None = None) -> None:
+        """A fresh scheduler and free list over the same pool and compiled buckets (nothing recompiles), with
+        the engine's config but for the given `num_pages` (<= the pool's), `num_draft` (<= the compiled
+        verify width) and `eos_token_ids`. Raises ValueError while requests are still in flight."""
+        if not self.scheduler.idle:
+            raise ValueError("Engine.reset: requests are still waiting or running")
+        pool, width = self.runner.config.num_pages, self.runner.config.num_draft
+        if num_pages is not None and not 1 <= num_pages <= pool:
+            raise ValueError(f"Engine.reset: num_pages must be in 1..{pool} (the pool); got {num_pages}")
+        if num_draft is not None and not 0 <= num_draft <= width:
+            raise ValueError(f"Engine.reset: num_draft must be in 0..{width} (compiled verify width - 1); "
+                             f"got {num_draft}")
+        changes = dict(num_pages=num_pages, num_draft=num_draft, eos_token_ids=eos_token_ids)
+        self.config = replace(self.runner.config, **{k: v for k, v in changes.items() if v is not None})
+        self.pages = PageAllocator(self.config.num_pages, self.config.page_size)
+        self.scheduler = Scheduler(self.config, self.pages)
+
+    def warmup(self) -> None:
+        self.runner.warmup()
+        self.warm = True
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def step(self, start: float | None = None) -> list[Request]:
+        """One scheduler step through the model; returns the requests that finished in it. Times are
+        recorded in seconds after `start` (a time.perf_counter() value), or as 0 without it."""
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        sampled = self.runner.run(step)
+        self.steps += 1
+        now = 0.0 if start is None else time.perf_counter() - start
+        return self.scheduler.update(step, sampled, now=now)
+
+    def serve(self, requests: list[Request], *, progress: bool = False) -> Report:
+        """Serves requests by their arrival times (seconds after the call) until all finish; compiles first
+        if `warmup` was not called. No bucket compiles again while serving (fail_on_recompile)."""
+        if not self.warm:
+            self.warmup()
+        pending = sorted(requests, key=lambda r: r.arrival)
+        steps0, preempt0 = self.steps, self.scheduler.num_preemptions
+        bar = _progress(len(requests), progress)
+        start = time.perf_counter()
+        with torch.compiler.set_stance("fail_on_recompile"):
+            while pending or not self.scheduler.idle:
+                now = time.perf_counter() - start
+                while pending and pending[0].arrival <= now:
+                    self.add(pending.pop(0))
+                if self.scheduler.idle:
+                    time.sleep(max(0.0, pending[0].arrival - now))
+                    continue
+                finished = self.step(start)
+                if bar is not None and finished:
+                    bar.update(len(finished))
+        elapsed = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
+        return self._report(requests, elapsed, self.steps - steps0, self.scheduler.num_preemptions - preempt0)
+
+    @staticmethod
+    def _report(requests: list[Request], elapsed: float, steps: int, preemptions: int) -> Report:
+        out = sum(len(r.output) for r in requests)
+        ttft = [r.first_token_time - r.arrival for r in requests]
+        tpot = [(r.finish_time - r.first_token_time) / (len(r.output) - 1) for r in requests if len(r.output) > 1]
+        drafted = sum(r.num_drafted for r in requests)
+        return Report(
+            requests=len(requests), prompt_tokens=sum(len(r.prompt) for r in requests), output_tokens=out,
+            elapsed_s=elapsed, throughput_tok_s=out / elapsed if elapsed > 0 else float("nan"),
+            ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99), tpot_p50_s=percentile(tpot, 50),
+            tpot_p99_s=percentile(tpot, 99), steps=steps, preemptions=preemptions,
+            draft_acceptance=sum(r.num_accepted for r in requests) / drafted if drafted else float("nan"))
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="req", desc="serving", dynamic_ncols=True)

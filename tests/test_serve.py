@@ -1,0 +1,275 @@
+"""The serving loop: page allocator, prompt-lookup drafts, scheduler (against a fake model that checks the
+KV it would read), and the compiled engine against transformers' greedy generate on a tiny random Llama."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+
+from b12x_inductor.serve import Engine, Request, ServeConfig
+from b12x_inductor.serve.draft import NgramIndex, prompt_lookup
+from b12x_inductor.serve.pages import PageAllocator
+from b12x_inductor.serve.scheduler import Scheduler
+
+
+# -- page allocator ---------------------------------------------------------------------------------------------
+def test_page_allocator():
+    a = PageAllocator(5, 4)
+    pages = a.allocate(2)
+    assert len(set(pages)) == 2 and a.num_free == 3
+    assert a.allocate(4) is None and a.num_free == 3  # all or nothing
+    assert a.grow(pages, 12) and len(pages) == 3  # 12 slots of 4 -> 3 pages
+    assert not a.grow(pages, 21) and len(pages) == 3
+    other = a.allocate(2)
+    assert not set(other) & set(pages)
+    a.free(pages)
+    assert pages == [] and a.num_free == 3
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free([other[0], other[0]])
+    with pytest.raises(ValueError, match="num_pages"):
+        PageAllocator(0, 4)
+
+
+# -- prompt-lookup drafts -----------------------------------------------------------------------------------------
+def test_prompt_lookup():
+    assert prompt_lookup([1, 2, 3, 9, 1, 2], 2) == [3, 9]
+    assert prompt_lookup([1, 2, 3, 9, 1, 2], 5) == [3, 9, 1, 2]
+    assert prompt_lookup([5, 1, 7, 1], 2) == [7, 1]  # 1-gram fallback
+    assert prompt_lookup([1, 2, 3], 2) == []
+    assert prompt_lookup([1, 2, 1, 2], 0) == []
+
+
+def test_ngram_index_matches_scan():
+    rng = random.Random(0)
+    for trial in range(30):
+        index, seq = NgramIndex(max_ngram=3), [rng.randrange(4) for _ in range(rng.randint(1, 5))]
+        for _ in range(40):
+            assert index.draft(seq, 4) == prompt_lookup(seq, 4, max_ngram=3), seq
+            seq += [rng.randrange(4) for _ in range(rng.randint(1, 3))]
+
+
+# -- scheduler, against a fake model ------------------------------------------------------------------------------
+def _next_token(seq: list[int]) -> int:
+    """A deterministic 'model' that falls into loops (as greedy decoding does): the token after a sequence."""
+    return (seq[-1] * seq[-1] + (seq[-2] if len(seq) >= 2 else 0) % 2) % 13
+
+
+class FakeRunner:
+    """Runs steps like ModelRunner but in Python: keeps what each KV slot holds and checks that every token
+    reads its own request's tokens at every earlier position (page tables, recompute, no sharing)."""
+
+    def __init__(self, config: ServeConfig):
+        self.config, self.slots, self.steps = config, {}, []
+
+    def run(self, step):
+        ps = self.config.page_size
+        assert len(step.work) <= self.config.max_batch
+        assert step.kind != "extend" or step.num_tokens <= self.config.token_budget
+        out = []
+        for w in step.work:
+            r = w.request
+            seq = r.tokens[:w.start] + list(w.tokens)
+            assert list(w.tokens[:len(w.tokens) - w.num_draft]) == r.tokens[w.start:w.start + len(w.tokens) - w.num_draft]
+            for i in range(len(w.tokens)):
+                pos = w.start + i
+                self.slots[r.pages[pos // ps] * ps + pos % ps] = (r.id, pos, seq[pos])
+                for p in range(pos + 1):
+                    assert self.slots[r.pages[p // ps] * ps + p % ps] == (r.id, p, seq[p])
+            preds = [_next_token(seq[:w.start + i + 1]) for i in range(len(w.tokens))]
+            out.append(preds if step.kind == "verify" else preds[-1:])
+        self.steps.append(step.kind)
+        return out
+
+
+def _reference(r: Request, eos=()) -> list[int]:
+    seq = list(r.prompt)
+    while len(seq) - len(r.prompt) < r.max_new_tokens:
+        seq.append(_next_token(seq))
+        if seq[-1] in eos:
+            break
+    return seq[len(r.prompt):]
+
+
+@pytest.mark.parametrize("num_draft", [0, 3])
+@pytest.mark.parametrize("num_pages", [64, 12])
+def test_scheduler(num_draft, num_pages):
+    eos = (12,) if num_pages == 64 else ()  # EOS, or long outputs that outgrow the small pool
+    config = ServeConfig(num_pages=num_pages, page_size=4, max_batch=4, token_budget=16, max_model_len=48,
+                         num_draft=num_draft, eos_token_ids=eos)
+    pages = PageAllocator(config.num_pages, config.page_size)
+    sched, runner = Scheduler(config, pages), FakeRunner(config)
+    rng = random.Random(num_pages + num_draft)
+    pending = [Request(prompt=[rng.randrange(13) for _ in range(rng.randint(1, 30))],
+                       max_new_tokens=rng.randint(1, 16)) for _ in range(12)]
+    requests, step = list(pending), 0
+    while pending or not sched.idle:
+        if pending and (step % 3 == 0 or sched.idle):  # arrivals while others run
+            sched.add(pending.pop(0))
+        s = sched.schedule()
+        if s is not None:
+            sched.update(s, runner.run(s))
+        step += 1
+        assert step < 1000
+    for r in requests:
+        assert r.finished and r.output == _reference(r, eos=eos), r.id
+    assert pages.num_free == num_pages
+    assert "extend" in runner.steps and "decode" in runner.steps
+    assert ("verify" in runner.steps) == bool(num_draft)
+    if num_draft:
+        assert sum(r.num_accepted for r in requests) > 0
+    assert (sched.num_preemptions > 0) == (num_pages == 12)
+
+
+def test_request_and_config_errors():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Request(prompt=[1], max_new_tokens=0)
+    with pytest.raises(ValueError, match="prompt"):
+        Request(prompt=[], max_new_tokens=1)
+    with pytest.raises(ValueError, match="token_budget"):
+        ServeConfig(max_batch=8, token_budget=4)
+    with pytest.raises(ValueError, match="num_draft"):
+        ServeConfig(num_draft=16)
+    with pytest.raises(ValueError, match="decode_buckets"):
+        ServeConfig(max_batch=8, decode_buckets=(2, 4))
+    sched = Scheduler(ServeConfig(max_model_len=32), PageAllocator(4, 4))
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add(Request(prompt=[1] * 30, max_new_tokens=3))
+    with pytest.raises(ValueError, match="pages"):
+        sched.add(Request(prompt=[1] * 10, max_new_tokens=10))
+
+
+# -- the compiled engine against transformers -----------------------------------------------------------------
+_WORKLOAD = [(5, 12), (40, 10), (150, 6), (1, 9), (70, 16), (12, 3), (3, 14), (100, 8)]  # (prompt, new tokens)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _requests(seed=1, rate=None):
+    g = torch.Generator().manual_seed(seed)
+    reqs = []
+    for i, (n, m) in enumerate(_WORKLOAD):
+        prompt = torch.randint(0, 256, (n,), generator=g).tolist()
+        if i % 2:  # repeated phrases give prompt lookup something to find
+            prompt = (prompt[: max(1, n // 4)] * 4)[:n]
+        reqs.append(Request(prompt=prompt, max_new_tokens=m, arrival=0.0 if rate is None else i / rate))
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(engine, reference outputs by prompt): one engine, compiled once (decode 4, verify 4x4, extend 128)."""
+    model = _tiny_llama()
+    reference = copy.deepcopy(model)
+    ref = {}
+    for r in _requests():
+        out = reference.generate(torch.tensor([r.prompt]), max_new_tokens=r.max_new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        ref[tuple(r.prompt)] = out[0, len(r.prompt):].tolist()
+    engine = Engine(model, ServeConfig(num_pages=48, page_size=16, max_batch=4, token_budget=128,
+                                       max_model_len=256, num_draft=3, decode_buckets=(4,)))
+    torch._dynamo.utils.counters.clear()
+    engine.warmup()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == len(engine.runner.buckets) == 3
+    return engine, ref
+
+
+def _check(engine, ref, requests, eos=None):
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for r in requests:
+        expected = ref[tuple(r.prompt)]
+        if eos is not None and eos in expected:
+            expected = expected[: expected.index(eos) + 1]
+        assert r.finished and r.output == expected, (r.id, r.prompt[:8], r.output, expected, r.num_preempted)
+    assert engine.pages.num_free == engine.config.num_pages  # every page back on the free list
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled while serving
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_serve_with_drafts_matches_generate(served):
+    engine, ref = served
+    engine.reset()
+    requests = _requests(rate=50.0)  # arrivals spread over 0.14 s
+    report = engine.serve(requests)
+    _check(engine, ref, requests)
+    assert report.output_tokens == sum(m for _, m in _WORKLOAD)
+    assert report.draft_acceptance > 0 and report.preemptions == 0
+    assert report.ttft_p50_s > 0 and report.tpot_p99_s >= report.tpot_p50_s > 0
+
+
+def test_serve_without_drafts_with_eos(served):
+    engine, ref = served
+    # an EOS that first appears in the middle of some request's output: that request stops there
+    eos, stopped = next((out[i], k) for k, r in enumerate(_requests()) for out in [ref[tuple(r.prompt)]]
+                        for i in range(2, len(out) - 1) if out[i] not in out[:i])
+    engine.reset(num_draft=0, eos_token_ids=(eos,))
+    requests = _requests()
+    report = engine.serve(requests)
+    _check(engine, ref, requests, eos=eos)
+    assert requests[stopped].output[-1] == eos and len(requests[stopped].output) < requests[stopped].max_new_tokens
+    assert report.draft_acceptance != report.draft_acceptance  # nan: no drafts
+
+
+def test_serve_through_preemption(served):
+    engine, ref = served
+    engine.reset(num_pages=12)  # 150 + 6 tokens alone need 10 pages of 16
+    requests = _requests()
+    report = engine.serve(requests)
+    _check(engine, ref, requests)
+    assert report.preemptions > 0
+
+
+def test_recompile_fails_after_warmup(served):
+    engine, _ = served
+    runner = engine.runner
+    meta = runner.metadata(None, "decode", 2, 1)  # a batch of 2: not a compiled bucket
+    with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(Exception, match="ecompil"):
+        runner._call(meta, "decode", 2, 1)
+
+
+def test_reset_errors(served):
+    engine, _ = served
+    with pytest.raises(ValueError, match="num_pages"):
+        engine.reset(num_pages=49)
+    with pytest.raises(ValueError, match="num_draft"):
+        engine.reset(num_draft=4)
+
+
+def test_qwen2_eager_matches_generate():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    model = Qwen2ForCausalLM(cfg).eval()
+    reference = copy.deepcopy(model)
+    requests = _requests()[:4]
+    engine = Engine(model, ServeConfig(num_pages=32, page_size=16, max_batch=4, token_budget=128,
+                                       max_model_len=256, num_draft=2, compile=False))
+    engine.serve(requests)
+    for r in requests:
+        out = reference.generate(torch.tensor([r.prompt]), max_new_tokens=r.max_new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        assert r.output == out[0, len(r.prompt):].tolist(), r.id
+
+
+def test_cli_demo_json(capsys):
+    from b12x_inductor.serve.__main__ import main
+
+    rc = main(["--demo", "--device", "cpu", "--requests", "3", "--output-lens", "2,4", "--prompt-lens", "4,20",
+               "--no-compile", "--no-progress", "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["requests"] == 3 and 6 <= report["output_tokens"] <= 12
+    assert {"throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"} <= set(report)
