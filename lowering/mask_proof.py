@@ -592,3 +592,23 @@ def prove_causal(mask: fx.Node, *, batch: int, heads: int, q_len: int, kv_len: i
         raise Unprovable("requests read their positions in an irregular layout")
     return CausalMask(causal=True, leaf=leaf, index=int(flat[0]), stride=stride, offset=offset,
                       window_left=window_left)
+
+
+def position_forms(node: fx.Node) -> set[tuple[fx.Node, int, int]]:
+    """The elements of an integer tensor that are one runtime integer plus a constant, as (leaf, flat index
+    into the leaf, constant); empty where the tensor is not analyzable."""
+    try:
+        value, leaves = evaluate(node)
+    except Unprovable:
+        return set()
+    if not isinstance(value, _Int):
+        return set()
+    forms = set()
+    for row in value.c.reshape(-1, value.c.shape[-1]).tolist():
+        coef = [(i, c) for i, c in enumerate(row[1:]) if c]
+        if len(coef) == 1 and coef[0][1] == 1:
+            var = coef[0][0]
+            leaf = max((n for n, first in leaves.items() if first <= var), key=leaves.get)
+            forms.add((leaf, var - leaves[leaf], row[0]))
+    return forms
+

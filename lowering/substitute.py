@@ -16,8 +16,9 @@ cache_seqlens / causal, by case:
   query's position + 1, computed on the device and clamped to [0, L], causal=True. The op reads only the
   live keys; what the fixed buffer holds past them never mattered. A proven sliding window on top
   (`key >= position - W`) becomes kv_start = position - W (or window_left=W for constant positions).
-  Several queries (S > 1) qualify only at constant positions: at runtime positions the op's bottom-right
-  alignment equals the mask only while the last position is < L, which the pass cannot prove.
+  Several queries (S > 1) at runtime positions qualify only where the keys are written at the last
+  position (`index_put` into the buffer, as the static-cache idiom does): the op's bottom-right alignment
+  equals the mask while that position is < L, which a successful write proves.
 Everything else is left alone, with the reason recorded. Rows that see no key at all (negative positions)
 give zeros in the op, as in SDPA's CPU and math paths with a -inf mask.
 """
@@ -34,8 +35,8 @@ import torch.fx as fx
 from b12x_inductor.plan import HEAD_DIMS
 
 from . import _inductor
-from .mask_proof import Unprovable, prove_causal
-from .sdpa_patterns import SdpaCall, is_math_form, match, unrepeat_kv
+from .mask_proof import Unprovable, position_forms, prove_causal
+from .sdpa_patterns import SdpaCall, is_math_form, match, skip_noops, unrepeat_kv
 
 log = logging.getLogger("b12x_inductor.substitute")
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -141,15 +142,38 @@ def decide(call: SdpaCall, gm: fx.GraphModule | None = None) -> _Replacement | s
             return f"constant positions past the keys or before the queries (last position + 1 = {proof.offset})"
         return _Replacement(k=k, v=v, causal=True, seqlens=("const", n), window_left=proof.window_left,
                             summary=f"{geometry}, causal mask with constant positions{window}, cache_seqlens = {n}")
-    if s > 1:  # row i sees keys <= T_i; the op's L_b - S + i equals T_i only while T_{S-1} < L
+    written = _written_last_position(k, proof, b)
+    if s > 1 and not written:  # row i sees keys <= T_i; the op's L_b - S + i equals T_i only while T_{S-1} < L
         return (f"{s} queries at runtime positions: exact only while the last position is < L={length}, which "
-                f"the pass cannot prove")
+                f"the pass cannot prove (no write of the keys at that position)")
     where = f"{proof.leaf.name}.flatten()[{proof.index} + {proof.stride} * b] + {proof.offset}"
     summary = f"{geometry}, causal up to a position, cache_seqlens = clamp({where}, 0, {length})"
+    if written:
+        summary += " (the keys are written there, so it is < L)"
+    if proof.window_left >= 0 and written:
+        summary += window
+        return _Replacement(k=k, v=v, causal=True, window_left=proof.window_left, summary=summary,
+                            seqlens=("leaf", proof.leaf, proof.index, proof.stride, proof.offset))
     if proof.window_left >= 0:  # as kv_start, exact also where the position is past the keys
         summary += f", kv_start = clamp({where} - {proof.window_left + 1}, 0, {length})"
     return _Replacement(k=k, v=v, causal=True, kv_start_shift=proof.window_left + 1 if window else None,
                         seqlens=("leaf", proof.leaf, proof.index, proof.stride, proof.offset), summary=summary)
+
+
+def _written_last_position(k: fx.Node, proof, batch: int) -> bool:
+    """Whether k (without its repeat) is the static-cache write `index_put(buffer, [None, None, positions],
+    new_keys)` with each request's last query position among the positions: a write that succeeded (out of
+    range it fails, on the device too: Inductor asserts indirect indices) proves it is < L."""
+    node = skip_noops(k)
+    if node.op != "call_function" or node.target is not aten.index_put.default:
+        return False
+    indices = list(node.args[1])
+    if len(indices) < 3 or indices[:2] != [None, None] or any(i is not None for i in indices[3:]) \
+            or not isinstance(indices[2], fx.Node):
+        return False
+    forms = position_forms(indices[2])
+    last = proof.offset - 1
+    return all((proof.leaf, proof.index + proof.stride * i, last) in forms for i in range(batch))
 
 
 class _Builder:

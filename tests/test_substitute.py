@@ -92,6 +92,29 @@ def test_per_request_positions_are_substituted():
     assert "1 * b" in d.reason
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_several_queries_written_at_runtime_positions(window):
+    """S > 1 at start + arange(S) with the keys written there (the static-cache idiom): the write proves
+    the last position < L, so bottom-right causal (and a window) is exact."""
+    def fn(q, k_new, v_new, k_buf, v_buf, start):
+        pos = torch.arange(4) + start
+        k = torch.ops.aten.index_put(k_buf, [None, None, pos], k_new)  # functional k_buf[:, :, pos] = k_new
+        v = torch.ops.aten.index_put(v_buf, [None, None, pos], v_new)
+        j = torch.arange(L)[None, None, None, :]
+        mask = j <= pos[None, None, :, None]
+        if window is not None:
+            mask = mask & (j > pos[None, None, :, None] - window)
+        return _sdpa_gqa(q, k, v, mask)
+
+    args = (_rand(B, HQ, 4, D), _rand(B, HKV, 4, D), _rand(B, HKV, 4, D), _rand(B, HKV, L, D), _rand(B, HKV, L, D))
+    d = _check_same(fn, *args, torch.tensor(9), substituted=True, reason="written there")
+    assert ("window_left=5" in d.reason) == (window is not None)
+    _, gm, new = _rewrite(fn, *args, torch.tensor(9))
+    for start in (0, 3, L - 4):
+        torch.testing.assert_close(new(*args, torch.tensor(start)), gm(*args, torch.tensor(start)), atol=2e-5,
+                                   rtol=1e-5)
+
+
 @pytest.mark.parametrize("start", [None, 9])
 def test_several_queries_at_consecutive_positions(start):
     """S > 1 at start + arange(S): substituted for a constant start (bottom-right causal is exact); left
@@ -197,7 +220,8 @@ def test_sliding_window_is_substituted(pos):
         j = torch.arange(L)
         return _sdpa_gqa(q, k, v, (j <= p[:, None]) & (j > p[:, None] - 8))
 
-    _check_same(fn, *_decode_args(torch.tensor([pos])), substituted=True, reason="kv_start = clamp(p_1.flatten()[0 + 0 * b] + 1 - 8, 0, 32)")
+    _check_same(fn, *_decode_args(torch.tensor([pos])), substituted=True,
+                reason="kv_start = clamp(p_1.flatten()[0 + 0 * b] + 1 - 8, 0, 32)")
 
 
 @pytest.mark.parametrize("case", ["runtime_window", "several_runtime_positions", "top_left_causal", "head_dim"])
