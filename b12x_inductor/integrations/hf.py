@@ -21,14 +21,15 @@ bidirectional layers, head_dim outside 64/96/128/192/256, dropout in training mo
 How the pieces meet (the public surface other code may rely on):
 - `register()` adds the attention function `b12x_attention` under the name "b12x" to transformers'
   `AttentionInterface`, and its mask function `b12x_mask` to `AttentionMaskInterface`.
-- The mask function turns the 2D padding mask into a small int32 "metadata mask" of shape [B, 1, 1, 2]:
+- The mask function turns the 2D padding mask into a small int32 "metadata mask" of shape [B, 1, 1, 3]:
   [..., 0] = kv_start (first non-pad position of each request; left padding only), [..., 1] = the
-  request's cache length after this forward (q_offset + q_length). Transformers passes 4D masks through
+  request's cache length after this forward (q_offset + q_length), [..., 2] = b (the one-page-per-request
+  page table of a StaticCache, so that no layer builds one). Transformers passes 4D masks through
   untouched, so it reaches the attention function inside the compiled region with a fixed shape. See
   `metadata_mask` / `unpack_metadata`.
 - With transformers' StaticCache, attention receives the whole [B, Hkv, max_cache_len, D] buffers and reads
   them in place as an HND paged cache: one page per request (page_size = max_cache_len, page_table =
-  arange(B)[:, None]), cache_seqlens and kv_start from the metadata mask.
+  arange(B)[:, None]); page table, cache_seqlens and kv_start come from the metadata mask.
 - With `B12xCache`, each layer's `update` writes the new keys/values into its page pool with `write_kv`,
   advances its device-side lengths and hands the layer to attention: through the `kwargs` dict of
   `cache.update` where transformers passes it on to attention (5.24), else through a table keyed by

@@ -27,18 +27,21 @@ def register() -> None:
 
 
 def metadata_mask(kv_start: torch.Tensor, cache_seqlens: torch.Tensor) -> torch.Tensor:
-    """Packs int32 kv_start [B] and cache_seqlens [B] into the int32 [B, 1, 1, 2] metadata mask."""
-    return torch.stack([kv_start.to(torch.int32), cache_seqlens.to(torch.int32)], dim=-1).view(-1, 1, 1, 2)
+    """Packs int32 kv_start [B] and cache_seqlens [B] into the int32 [B, 1, 1, 3] metadata mask; its last
+    column is the request index, the one-page-per-request page table of a StaticCache."""
+    rows = torch.arange(kv_start.shape[0], dtype=torch.int32, device=kv_start.device)
+    return torch.stack([kv_start.to(torch.int32), cache_seqlens.to(torch.int32), rows], dim=-1).view(-1, 1, 1, 3)
 
 
 def is_metadata_mask(mask: object) -> bool:
     return (isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and mask.dim() == 4
-            and tuple(mask.shape[1:]) == (1, 1, 2))
+            and tuple(mask.shape[1:]) == (1, 1, 3))
 
 
-def unpack_metadata(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int32 [B, 1, 1, 2] metadata mask -> (kv_start [B], cache_seqlens [B]), int32 views."""
-    return mask[:, 0, 0, 0], mask[:, 0, 0, 1]
+def unpack_metadata(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int32 [B, 1, 1, 3] metadata mask -> int32 views kv_start [B], cache_seqlens [B] and the
+    StaticCache page table [B, 1] (request b reads page b)."""
+    return mask[:, 0, 0, 0], mask[:, 0, 0, 1], mask[:, 0, 0, 2:3]
 
 
 def _check_left_padding(padding_mask: torch.Tensor) -> None:
@@ -48,13 +51,14 @@ def _check_left_padding(padding_mask: torch.Tensor) -> None:
     if not ok:
         raise ValueError(
             "b12x attention: attention_mask must be a left-padding mask (each row zeros, then ones up to the "
-            f"last token); got a mask with holes or right padding. Left-pad the batch, or {_USE_SDPA[4:]}")
+            "last token); got a mask with holes or right padding. Left-pad the batch, or use "
+            'attn_implementation="sdpa".')
 
 
 def b12x_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
               mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
               device=None, **kwargs) -> torch.Tensor:
-    """Mask function of "b12x": returns the int32 [B, 1, 1, 2] metadata mask (see hf.py).
+    """Mask function of "b12x": returns the int32 [B, 1, 1, 3] metadata mask (see hf.py).
 
     attention_mask is transformers' 2D padding mask, bool [B, >= q_offset + q_length] (or None); q_offset
     (int or 0-dim tensor) is the number of tokens cached before this forward.
@@ -113,8 +117,10 @@ def b12x_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
             f"got a custom attention mask (shape {tuple(attention_mask.shape)}, {attention_mask.dtype}); b12x "
             "takes a 2D left-padding mask only, not a 4D mask")
     batch = query.shape[0]
+    if attention_mask.shape[0] != batch:
+        raise ValueError(f"b12x attention: the metadata mask has {attention_mask.shape[0]} rows for a batch of {batch}")
     q = query.transpose(1, 2)  # [B, S, Hq, D], D contiguous
-    kv_start, seqlens = unpack_metadata(attention_mask)
+    kv_start, seqlens, page_table = unpack_metadata(attention_mask)
     sinks = None if s_aux is None else s_aux.float()
     opts = dict(scale=scaling, kv_start=kv_start, softcap=float(softcap or 0.0), sinks=sinks)
     layer = hf_cache.routed_layer(module, key, kwargs)
@@ -124,6 +130,5 @@ def b12x_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         if key.dim() != 4 or key.shape[0] != batch:
             raise _unsupported(f"key must be a [B={batch}, Hkv, L, D] static-cache buffer; got shape "
                                f"{tuple(key.shape)} (B12xCache or transformers' StaticCache expected)")
-        page_table = torch.arange(batch, dtype=torch.int32, device=q.device)[:, None]
         out = b12x.paged_attention(q, key, value, page_table, seqlens, kv_layout="HND", **opts)
     return out, None
