@@ -594,12 +594,12 @@ def prove_causal(mask: fx.Node, *, batch: int, heads: int, q_len: int, kv_len: i
                       window_left=window_left)
 
 
-def position_forms(node: fx.Node) -> set[tuple[fx.Node, int, int]]:
+def position_forms(node: fx.Node, graph_module: fx.GraphModule | None = None) -> set[tuple[fx.Node, int, int]]:
     """The elements of an integer tensor that are one runtime integer plus a constant, as (leaf, flat index
     into the leaf, constant); empty where the tensor is not analyzable."""
     try:
-        value, leaves = evaluate(node)
-    except Unprovable:
+        value, leaves = evaluate(node, graph_module)
+    except Exception:  # Unprovable, or anything unexpected: no evidence
         return set()
     if not isinstance(value, _Int):
         return set()

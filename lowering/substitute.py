@@ -142,7 +142,7 @@ def decide(call: SdpaCall, gm: fx.GraphModule | None = None) -> _Replacement | s
             return f"constant positions past the keys or before the queries (last position + 1 = {proof.offset})"
         return _Replacement(k=k, v=v, causal=True, seqlens=("const", n), window_left=proof.window_left,
                             summary=f"{geometry}, causal mask with constant positions{window}, cache_seqlens = {n}")
-    written = _written_last_position(k, proof, b)
+    written = _written_last_position(k, proof, b, gm)
     if s > 1 and not written:  # row i sees keys <= T_i; the op's L_b - S + i equals T_i only while T_{S-1} < L
         return (f"{s} queries at runtime positions: exact only while the last position is < L={length}, which "
                 f"the pass cannot prove (no write of the keys at that position)")
@@ -160,7 +160,7 @@ def decide(call: SdpaCall, gm: fx.GraphModule | None = None) -> _Replacement | s
                         seqlens=("leaf", proof.leaf, proof.index, proof.stride, proof.offset), summary=summary)
 
 
-def _written_last_position(k: fx.Node, proof, batch: int) -> bool:
+def _written_last_position(k: fx.Node, proof, batch: int, gm) -> bool:
     """Whether k (without its repeat) is the static-cache write `index_put(buffer, [None, None, positions],
     new_keys)` with each request's last query position among the positions: a write that succeeded (out of
     range it fails, on the device too: Inductor asserts indirect indices) proves it is < L."""
@@ -171,7 +171,7 @@ def _written_last_position(k: fx.Node, proof, batch: int) -> bool:
     if len(indices) < 3 or indices[:2] != [None, None] or any(i is not None for i in indices[3:]) \
             or not isinstance(indices[2], fx.Node):
         return False
-    forms = position_forms(indices[2])
+    forms = position_forms(indices[2], gm)
     last = proof.offset - 1
     return all((proof.leaf, proof.index + proof.stride * i, last) in forms for i in range(batch))
 
