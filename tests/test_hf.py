@@ -301,6 +301,32 @@ def test_gpu_llama_1b_bf16_tokens_equal_sdpa():
         assert_greedy_equal(model, ids, mask, want, tokens, name)
 
 
+@pytest.mark.gpu
+def test_gpu_float8_pool_under_reduce_overhead():
+    """A float8_e4m3fn B12xCache under generate's reduce-overhead compile on CUDA: CUDA graphs kept, and
+    logits close to a bf16 pool's (the CPU test's bound)."""
+    from torch._dynamo.utils import counters
+
+    model = make_model("llama", dtype=torch.bfloat16).cuda()
+    model.set_attn_implementation("b12x")
+    ids, mask = (t.cuda() for t in prompts(4, seed=5, length=40))
+    logits = {}
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        paged = new_b12x_cache(model, 4, kv_dtype=kv_dtype, k_scale=0.5, v_scale=0.25, device="cuda")
+        with torch.no_grad():
+            logits[kv_dtype] = model(ids, attention_mask=mask, **cache_kwarg(model, paged)).logits.float()
+    err = (logits[torch.float8_e4m3fn] - logits[torch.bfloat16]).norm() / logits[torch.bfloat16].norm()
+    assert 0 < err < 0.1, err
+    counters.clear()
+    paged = new_b12x_cache(model, 4, kv_dtype=torch.float8_e4m3fn, device="cuda")
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    out = generate(model, "b12x", ids, mask, compile_config=config, disable_compile=False, max_new_tokens=8,
+                   **cache_kwarg(model, paged))
+    assert out.shape == (4, 48)
+    assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 def test_bench_hf_arguments_and_table(tmp_path):
     """The `python -m b12x_inductor.bench hf` harness: options and the merged markdown table (its timed
     runs need CUDA; `--tiny` runs them on CPU)."""
