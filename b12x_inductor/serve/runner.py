@@ -19,6 +19,8 @@ reads the sampled tokens once per step; nothing else syncs.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 import b12x_inductor as b12x
@@ -85,6 +87,7 @@ class ModelRunner:
         self.buckets = ([("decode", b, 1) for b in config.decode_sizes]
                         + [("verify", b, 1 + config.num_draft) for b in config.decode_sizes if config.num_draft]
                         + [("extend", config.max_batch, t) for t in config.extend_sizes])
+        self._rows = weakref.WeakKeyDictionary()  # request -> (page count, its page-table row)
         self.forward = self._forward
         if config.compile:
             limit = len(self.buckets) + 8
@@ -121,11 +124,11 @@ class ModelRunner:
         b = next(b for b in c.decode_sizes if b >= len(step.work))
         return step.kind, b, (1 + c.num_draft if step.kind == "verify" else 1)
 
-    def metadata(self, step: Step | None, kind: str, rows: int, width: int) -> list[int]:
-        """The int64 metadata of a step (all padding when step is None: warm-up)."""
+    def metadata(self, step: Step | None, kind: str, rows: int, width: int) -> torch.Tensor:
+        """The int64 metadata of a step, on the host (all padding when step is None: warm-up)."""
         ps, pages = self.config.page_size, self.config.max_pages
         work = step.work if step is not None else ()
-        ids, pos, slots, table, seqlens, cu, logit_rows = [], [], [], [], [], [0], []
+        ids, pos, slots, seqlens, cu, logit_rows, table = [], [], [], [], [0], [], []
         for w in work:
             r_pages, n = w.request.pages, len(w.tokens)
             span = range(w.start, w.start + n)
@@ -136,21 +139,27 @@ class ModelRunner:
                 ids += [w.tokens[-1]] * (width - n)
                 pos += range(w.start + n, w.start + width)
                 slots += [-1] * (width - n)
-            table += r_pages + [0] * (pages - len(r_pages))
+            table.append(self._table_row(w.request))
             seqlens.append(w.start + (width if kind == "verify" else n))
             cu.append(cu[-1] + n)
             logit_rows.append(cu[-1] - 1)
-        n_tok = width if kind == "extend" else rows * width
-        pad = n_tok - len(ids)
-        ids += [0] * pad
-        pos += [0] * pad
-        slots += [-1] * pad
-        table += [0] * ((rows - len(work)) * pages)
-        seqlens += [0] * (rows - len(work))
-        meta = ids + pos + slots + table + seqlens
+        pad = (width if kind == "extend" else rows * width) - len(ids)
+        free_rows = rows - len(work)
+        head = ids + [0] * pad + pos + [0] * pad + slots + [-1] * pad
+        tail = seqlens + [0] * free_rows
         if kind == "extend":
-            meta += cu + [cu[-1]] * (rows - len(work)) + logit_rows + [0] * (rows - len(work))
-        return meta
+            tail += cu + [cu[-1]] * free_rows + logit_rows + [0] * free_rows
+        table.append(torch.zeros(free_rows * pages, dtype=torch.int64))
+        return torch.cat([torch.tensor(head, dtype=torch.int64), *table, torch.tensor(tail, dtype=torch.int64)])
+
+    def _table_row(self, request) -> torch.Tensor:
+        """A request's page-table row, padded with page 0, rebuilt only when its page count changes."""
+        cached = self._rows.get(request)
+        if cached is None or cached[0] != len(request.pages):
+            row = torch.zeros(self.config.max_pages, dtype=torch.int64)
+            row[:len(request.pages)] = torch.tensor(request.pages, dtype=torch.int64)
+            cached = self._rows[request] = (len(request.pages), row)
+        return cached[1]
 
     def run(self, step: Step) -> list[list[int]]:
         """Runs a step; per work item, the greedy token after each of its tokens (verify) or after its last."""
@@ -160,14 +169,13 @@ class ModelRunner:
             return [tokens[i] for i in range(len(step.work))]
         return [[tokens[i]] for i in range(len(step.work))]
 
-    def _call(self, meta: list[int], kind: str, rows: int, width: int) -> torch.Tensor:
-        meta_t = torch.tensor(meta, dtype=torch.int64)
+    def _call(self, meta: torch.Tensor, kind: str, rows: int, width: int) -> torch.Tensor:
         if self.device.type == "cuda":
-            meta_t = meta_t.pin_memory().to(self.device, non_blocking=True)
+            meta = meta.pin_memory().to(self.device, non_blocking=True)
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
-            return self.forward(meta_t, kind, rows, width)
+            return self.forward(meta, kind, rows, width)
 
     def warmup(self) -> None:
         """Compiles (and on CUDA captures) every bucket with padding-only inputs: writes nothing."""

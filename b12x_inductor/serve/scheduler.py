@@ -62,6 +62,10 @@ class Request:
         return self.tokens[len(self.prompt):]
 
     @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
     def decoding(self) -> bool:
         """All tokens but the last are in the cache: the next step feeds the last one."""
         return self.num_computed == len(self.tokens) - 1
@@ -163,7 +167,7 @@ class Scheduler:
 
     def _with_draft(self, w: Work) -> Work:
         r = w.request
-        room = min(self.config.num_draft, r.max_new_tokens - len(r.output) - 1)  # drafts past the limit are waste
+        room = min(self.config.num_draft, r.max_new_tokens - r.num_output - 1)  # drafts past the limit are waste
         draft = r.ngrams.draft(r.tokens, room) if room > 0 else []
         if draft and not self.pages.grow(r.pages, len(r.tokens) + len(draft)):
             draft = draft[:len(r.pages) * self.pages.page_size - len(r.tokens)]  # what the held pages fit
@@ -188,7 +192,7 @@ class Scheduler:
             if not w.sample:
                 r.num_computed = w.start + len(w.tokens)
                 continue
-            real = len(w.tokens) - w.num_draft  # tokens fed before the drafts (1 when decoding)
+            real = len(w.tokens) - w.num_draft  # 1 in verify steps: pred[j] follows w.tokens[j]
             draft = w.tokens[real:]
             accepted = 0
             while accepted < len(draft) and draft[accepted] == pred[accepted]:
@@ -198,12 +202,9 @@ class Scheduler:
             new = list(pred[:accepted + 1])
             if r.first_token_time is None:
                 r.first_token_time = now
-            r.tokens.extend(new)
-            out = r.output
-            stop = next((i + 1 for i, t in enumerate(out[len(out) - len(new):]) if t in eos), None)
-            if stop is not None:
-                del r.tokens[len(r.tokens) - len(new) + stop:]
-            if len(r.output) >= r.max_new_tokens:
+            stop = next((i + 1 for i, t in enumerate(new) if t in eos), None)
+            r.tokens.extend(new[:stop])
+            if r.num_output >= r.max_new_tokens:
                 del r.tokens[len(r.prompt) + r.max_new_tokens:]
                 stop = 0
             r.num_computed = len(r.tokens) - 1

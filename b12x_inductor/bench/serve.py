@@ -1,0 +1,289 @@
+"""The serving loop against transformers' own batching: `python -m b12x_inductor.bench serve`.
+
+Model: a Llama-3.2-1B-shaped random-weight model in bf16 (16 layers, hidden 2048, 32 query / 8 KV heads of 64,
+vocab 128256), built in place (no download). Workload: 256 requests, all arriving at t = 0, prompts uniform in
+128-2048 tokens (random phrases from a small phrase book), outputs uniform in 128-512 tokens, no EOS (every
+request generates exactly its max_new_tokens). Systems, in one run, all greedy:
+
+- static:         transformers `generate` with a StaticCache (SDPA, generate's compiled decode step with CUDA
+                  graphs) in fixed batches of --static-batch requests, left-padded, each batch running to its
+                  longest output; only each request's own tokens count.
+- generate_batch: transformers' continuous batching (`generate_batch`'s manager, default config, per-request
+                  max_new_tokens).
+- b12x:           this package's serving loop (`b12x_inductor.serve`): paged KV, chunked prefill, decode in
+                  CUDA graphs per bucket, no speculation.
+- b12x+lookup:    the same engine with --num-draft prompt-lookup drafts checked by the verify plan.
+
+Throughput: output tokens / wall time from the first request to the last token (warm-up and compilation
+excluded and reported apart). TTFT: arrival to first token; TPOT: (last - first token) / (tokens - 1), per
+request, p50 and p99. "same" compares each system's outputs with the static baseline's: identical requests /
+requests with the same first token (bf16 near-ties can flip a token and everything after it).
+
+Prints a markdown table and writes JSON to --out. --quick: 64 requests, prompts 128-1024, outputs 64-256,
+fewer buckets (about three minutes on an H200). --tiny: a tiny fp32 model on CPU, to check the harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import time
+
+import torch
+
+from b12x_inductor.serve import Engine, Request, ServeConfig
+from b12x_inductor.serve.engine import percentile
+from b12x_inductor.serve.workload import llama_config, random_model, synthetic_requests
+
+PRESETS = {
+    "full": dict(size="1b", requests=256, prompt_lens=(128, 2048), output_lens=(128, 512), max_batch=128,
+                 token_budget=2048, decode_buckets=(16, 32, 64, 128), extend_buckets=(256, 512, 1024, 2048),
+                 static_batch=32),
+    "quick": dict(size="1b", requests=64, prompt_lens=(128, 1024), output_lens=(64, 256), max_batch=64,
+                  token_budget=2048, decode_buckets=(16, 64), extend_buckets=(512, 2048), static_batch=16),
+    "tiny": dict(size="tiny", requests=8, prompt_lens=(8, 64), output_lens=(4, 16), max_batch=4, token_budget=128,
+                 decode_buckets=(4,), extend_buckets=(128,), static_batch=4),
+}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _summary(name, outputs, ttft, tpot, elapsed, warmup_s, notes="") -> dict:
+    tokens = sum(len(o) for o in outputs)
+    return dict(system=name, requests=len(outputs), output_tokens=tokens, elapsed_s=elapsed,
+                throughput_tok_s=tokens / elapsed, ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+                tpot_p50_s=percentile(tpot, 50), tpot_p99_s=percentile(tpot, 99), warmup_s=warmup_s, notes=notes,
+                outputs=outputs)
+
+
+class _Clock:
+    """A generate() streamer that records when each batch of new tokens arrives (the first put is the prompt)."""
+
+    def __init__(self, device):
+        self.device, self.times = device, []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_static(model, requests, batch: int, device, max_cache_len: int) -> dict:
+    from transformers import StaticCache
+
+    model.set_attn_implementation("sdpa")
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    pad = 0
+
+    def generate(group, max_new, clock=None):
+        width = max(len(r.prompt) for r in group)
+        ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in group], device=device)
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in group], device=device)
+        cache.reset()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new,
+                                 min_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=pad,
+                                 streamer=clock)
+        return out[:, width:].tolist()
+
+    groups = [requests[i:i + batch] for i in range(0, len(requests), batch)]
+    groups = [g + [g[-1]] * (batch - len(g)) for g in groups]  # one static shape: pad the last batch
+    t = time.perf_counter()
+    generate(groups[0], 4)  # compiles the decode step
+    generate(groups[0], 4)
+    warmup_s = time.perf_counter() - t
+    outputs, ttft, tpot = [], [], []
+    _sync(device)
+    start = time.perf_counter()
+    for g in groups:
+        clock = _Clock(device)
+        max_new = max(r.max_new_tokens for r in g)
+        out = generate(g, max_new, clock)
+        first, last = clock.times[1] - start, clock.times[-1] - start
+        for r, o in zip(g, out):
+            if len(outputs) == len(requests):
+                break
+            outputs.append(o[:r.max_new_tokens])
+            ttft.append(first - r.arrival)
+            step = (last - first) / max(1, max_new - 1)  # the batch runs to its longest output
+            if r.max_new_tokens > 1:
+                tpot.append(step)
+    elapsed = time.perf_counter() - start
+    del cache
+    return _summary("static", outputs, ttft, tpot, elapsed, warmup_s,
+                    f"generate, StaticCache {max_cache_len}, SDPA, compiled decode, batches of {batch}")
+
+
+def run_generate_batch(model, requests, device) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    model.set_attn_implementation("sdpa")
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
+                              max_new_tokens=max(r.max_new_tokens for r in requests))
+    hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in requests),
+                          max_generated_length=config.max_new_tokens, num_requests=len(requests))
+    t = time.perf_counter()
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=30,
+                                                   workload_hints=hints) as manager:
+        warmup_s = time.perf_counter() - t
+        start = time.perf_counter()
+        ids = [manager.add_request(input_ids=r.prompt, request_id=f"r{i}", max_new_tokens=r.max_new_tokens,
+                                   record_timestamps=True) for i, r in enumerate(requests)]
+        results = {}
+        while len(results) < len(requests):
+            res = manager.get_result(timeout=1)
+            if res is not None and res.is_finished():
+                results[res.request_id] = res
+            elif res is None and not manager.is_running():
+                raise RuntimeError("generate_batch: the generation thread stopped")
+        elapsed = time.perf_counter() - start
+    outputs, ttft, tpot = [], [], []
+    for rid in ids:
+        res = results[rid]
+        outputs.append(list(res.generated_tokens))
+        stamps = res.timestamps or []
+        if stamps:
+            ttft.append(stamps[0] - start)
+            if len(stamps) > 1:
+                tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    return _summary("generate_batch", outputs, ttft, tpot, elapsed, warmup_s,
+                    "transformers continuous batching, default config")
+
+
+def run_b12x(model, requests, preset: dict, device, num_draft: int, engine=None) -> tuple[list[dict], Engine]:
+    max_len = preset["prompt_lens"][1] + preset["output_lens"][1]
+    config = ServeConfig(
+        num_pages=preset["max_batch"] * -(-max_len // 16) + 1, page_size=16, max_batch=preset["max_batch"],
+        token_budget=preset["token_budget"], max_model_len=max_len, num_draft=num_draft,
+        decode_buckets=preset["decode_buckets"], extend_buckets=preset["extend_buckets"])
+    t = time.perf_counter()
+    engine = Engine(model, config)
+    engine.warmup()
+    warmup_s = time.perf_counter() - t
+    rows = []
+    for name, draft in (("b12x", 0), ("b12x+lookup", num_draft)) if num_draft else (("b12x", 0),):
+        engine.reset(num_draft=draft)
+        reqs = [Request(prompt=r.prompt, max_new_tokens=r.max_new_tokens, arrival=r.arrival) for r in requests]
+        report = engine.serve(reqs)
+        assert engine.pages.num_free == config.num_pages, "pages leaked"
+        ttft = [r.first_token_time - r.arrival for r in reqs]
+        tpot = [(r.finish_time - r.first_token_time) / (len(r.output) - 1) for r in reqs if len(r.output) > 1]
+        notes = (f"max_batch {config.max_batch}, budget {config.token_budget}, {len(engine.runner.buckets)} buckets, "
+                 f"{report.steps} steps, {report.preemptions} preemptions")
+        if draft:
+            notes += f", {draft} drafts, acceptance {report.draft_acceptance:.2f}"
+        rows.append(_summary(name, [r.output for r in reqs], ttft, tpot, report.elapsed_s, warmup_s, notes))
+    return rows, engine
+
+
+def _agreement(rows: list[dict], ref: dict | None) -> None:
+    for row in rows:
+        if ref is None:
+            row["same"] = None
+            continue
+        pairs = list(zip(row["outputs"], ref["outputs"]))
+        row["same"] = (sum(a == b for a, b in pairs) / len(pairs), sum(a[:1] == b[:1] for a, b in pairs) / len(pairs))
+
+
+def table(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["system"] == "generate_batch"), None)
+    lines = ["| system | tok/s | vs generate_batch | time (s) | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | "
+             "same (all / first) | warm-up (s) | notes |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['system']} | failed | | | | | | | {r['error']} |")
+            continue
+        speedup = f"{r['throughput_tok_s'] / base['throughput_tok_s']:.2f}x" if base and "error" not in base else ""
+        same = "" if r.get("same") is None else f"{r['same'][0]:.0%} / {r['same'][1]:.0%}"
+        lines.append(f"| {r['system']} | {r['throughput_tok_s']:.0f} | {speedup} | {r['elapsed_s']:.1f} | "
+                     f"{r['ttft_p50_s'] * 1e3:.0f} / {r['ttft_p99_s'] * 1e3:.0f} | "
+                     f"{r['tpot_p50_s'] * 1e3:.1f} / {r['tpot_p99_s'] * 1e3:.1f} | {same} | {r['warmup_s']:.0f} | "
+                     f"{r['notes']} |")
+    return "\n".join(lines)
+
+
+def main(argv) -> None:
+    p = argparse.ArgumentParser(prog="python -m b12x_inductor.bench serve", description=__doc__.split("\n")[0])
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="64 requests, fewer buckets (~3 min on an H200)")
+    mode.add_argument("--tiny", action="store_true", help="a tiny fp32 model on CPU: checks the harness")
+    p.add_argument("--requests", type=int)
+    p.add_argument("--num-draft", type=int, default=4, help="prompt-lookup drafts of b12x+lookup (0: skip it)")
+    p.add_argument("--systems", default="static,generate_batch,b12x",
+                   help="comma-separated: static, generate_batch, b12x (b12x includes b12x+lookup)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+
+    preset = dict(PRESETS["tiny" if args.tiny else "quick" if args.quick else "full"])
+    if args.requests:
+        preset["requests"] = args.requests
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    config = llama_config(preset["size"])
+    model = random_model(config, dtype=dtype, device=device, seed=args.seed)
+    model.generation_config.eos_token_id = None
+    requests = synthetic_requests(preset["requests"], prompt_lens=preset["prompt_lens"],
+                                  output_lens=preset["output_lens"], vocab=config.vocab_size, seed=args.seed)
+    systems = args.systems.split(",")
+    log(f"{len(requests)} requests, {sum(len(r.prompt) for r in requests)} prompt tokens, "
+        f"{sum(r.max_new_tokens for r in requests)} output tokens; {preset['size']} Llama, {dtype}, {device}")
+
+    rows = []
+    runners = {
+        "static": lambda: [run_static(model, requests, preset["static_batch"], device,
+                                      preset["prompt_lens"][1] + preset["output_lens"][1])],
+        "generate_batch": lambda: [run_generate_batch(model, requests, device)],
+        "b12x": lambda: run_b12x(model, requests, preset, device, args.num_draft)[0],
+    }
+    for name in systems:  # b12x last: it switches the model's attention implementation
+        if name not in runners:
+            raise SystemExit(f"bench serve: unknown system {name!r}; expected {sorted(runners)}")
+    for name in sorted(systems, key=lambda s: s == "b12x"):
+        log(f"running {name} ...")
+        try:
+            got = runners[name]()
+        except Exception as e:  # a baseline that breaks is reported, not fatal
+            got = [dict(system=name, error=f"{type(e).__name__}: {e}"[:300])]
+            log(f"{name} failed: {got[0]['error']}")
+        for row in got:
+            if "error" not in row:
+                log(f"{row['system']}: {row['throughput_tok_s']:.0f} tok/s in {row['elapsed_s']:.1f} s "
+                    f"(warm-up {row['warmup_s']:.0f} s)")
+        rows += got
+        _free(device)
+    ref = next((r for r in rows if r["system"] == "static" and "error" not in r), None)
+    _agreement([r for r in rows if "error" not in r], ref)
+    print(table(rows))
+    if args.out:
+        meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), torch=torch.__version__,
+                    device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+                    preset=preset, num_draft=args.num_draft)
+        try:
+            import transformers
+
+            meta["transformers"] = transformers.__version__
+        except ImportError:
+            pass
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=[{k: v for k, v in r.items() if k != "outputs"} for r in rows]), f,
+                      indent=2, default=str)
+        log(f"wrote {args.out}")
