@@ -89,10 +89,14 @@ def test_greedy_tokens_equal_sdpa(arch, batch, cache, spy):
     assert not spy
     if cache == "static":
         got = generate(model, "b12x", ids, mask, cache_implementation="static")
-    else:
-        paged = new_b12x_cache(model, batch)
+    else:  # one spare request row, and the pages shuffled: the page table is what places each token
+        paged = new_b12x_cache(model, batch + 1)
+        pages = paged.page_table.numel()
+        paged.page_table.copy_(torch.randperm(pages, generator=torch.Generator().manual_seed(batch)).view(
+            batch + 1, -1))
         got = generate(model, "b12x", ids, mask, **cache_kwarg(model, paged))
-        torch.testing.assert_close(paged.layers[0].cache_seqlens, torch.full((batch,), 12 + NEW_TOKENS - 1).int())
+        lengths = torch.tensor([12 + NEW_TOKENS - 1] * batch + [0]).int()
+        torch.testing.assert_close(paged.layers[0].cache_seqlens, lengths)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     layers = model.config.num_hidden_layers
     assert spy[0] == (batch, 12, 4, 64) and spy[layers] == (batch, 1, 4, 64), spy  # prefill then decode
