@@ -124,6 +124,8 @@ def test_layer_routes_through_update_kwargs_or_layer_table():
     shared = {}
     hf_cache.route(layer, {"kwargs": shared})
     assert hf_cache.routed_layer(module, layer.keys, shared) is layer and not hf_cache._ROUTES
+    hf_cache.route(layer, {"kwargs": {}})  # a copied dict: the table still carries the layer
+    assert hf_cache.routed_layer(module, layer.keys, {}) is layer and not hf_cache._ROUTES
     hf_cache.route(layer, {})
     assert hf_cache.routed_layer(module, layer.keys, {}) is layer
     assert hf_cache.routed_layer(module, layer.keys, {}) is None  # consumed

@@ -21,28 +21,28 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 import b12x_inductor as b12x
 
-# layer_idx -> the B12xLayer whose update ran last, for transformers versions that do not pass the kwargs
-# of `cache.update` on to attention (< 5.24). Written by `update`, popped by the attention right after.
+# layer_idx -> the B12xLayer whose update ran last: the channel for transformers versions that do not pass
+# the kwargs of `cache.update` on to attention (< 5.24). Written by `update`, popped by the attention call
+# that follows it.
 _ROUTES: dict[int, "B12xLayer"] = {}
 ROUTE_KEY = "b12x_layer"
 
 
 def route(layer: "B12xLayer", update_kwargs: dict) -> None:
-    """Hands `layer` to the attention call that follows its update: through the kwargs dict that
-    transformers >= 5.24 passes both to `cache.update(..., kwargs=kwargs)` and to attention, else through
-    `_ROUTES[layer.layer_idx]`."""
+    """Hands `layer` to the attention call that follows its update: in the kwargs dict that transformers
+    >= 5.24 passes both to `cache.update(..., kwargs=kwargs)` and to attention, and in
+    `_ROUTES[layer.layer_idx]` (always: a version that copied the dict would otherwise lose the layer)."""
     shared = update_kwargs.get("kwargs")
     if isinstance(shared, dict):
         shared[ROUTE_KEY] = layer
-    else:
-        _ROUTES[layer.layer_idx] = layer
+    _ROUTES[layer.layer_idx] = layer
 
 
 def routed_layer(module: torch.nn.Module, key: torch.Tensor, attn_kwargs: dict) -> "B12xLayer | None":
-    """The B12xLayer whose pools `key` is, or None (transformers' own caches)."""
+    """The B12xLayer whose pools `key` is, or None (transformers' own caches). Consumes the table entry."""
+    tabled = _ROUTES.pop(getattr(module, "layer_idx", -1), None)
     layer = attn_kwargs.get(ROUTE_KEY)
-    if layer is None:
-        layer = _ROUTES.pop(getattr(module, "layer_idx", -1), None)
+    layer = tabled if layer is None else layer
     if layer is not None and key.shape != layer.keys.shape:
         raise ValueError(f"b12x attention: layer {layer.layer_idx} was routed a B12xCache layer but got other keys "
                          f"(shape {tuple(key.shape)}); mixing caches in one forward is not supported")
