@@ -6,13 +6,14 @@
     out = model.generate(ids, attention_mask=mask, cache_implementation="static", max_new_tokens=64)
     # or a paged cache:
     cache = B12xCache(model.config, max_batch_size=8, max_cache_len=4096, device="cuda", dtype=torch.bfloat16)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)  # 5.24: cache=
 
 Transformers is imported only here (and in the tests). Tested with transformers 5.17.0 and 5.24.0.
 Importing this module registers "b12x". A B12xCache needs attn_implementation="b12x". A fresh cache per
 generate call does not recompile; reusing one (after `cache.reset()`) also keeps CUDA graphs from being
 re-recorded for new addresses. Greedy and sampling work; beam search does not (B12xCache does not
-reorder requests).
+reorder requests). The plan follows the query length: decode for one new token, verify for 2-16 (drafts
+of assisted generation, and prompts that short), extend for longer prefills.
 
 What b12x cannot express fails at the first call with a ValueError that says what to use instead:
 an arbitrary 4D attention mask, right padding or holes in the padding mask, sliding-window, chunked or
@@ -32,8 +33,9 @@ How the pieces meet (the public surface other code may rely on):
   arange(B)[:, None]); page table, cache_seqlens and kv_start come from the metadata mask.
 - With `B12xCache`, each layer's `update` writes the new keys/values into its page pool with `write_kv`,
   advances its device-side lengths and hands the layer to attention: through the `kwargs` dict of
-  `cache.update` where transformers passes it on to attention (5.24), else through a table keyed by
-  `module.layer_idx` (5.17). Attention then reads the pool with the cache's page table and lengths.
+  `cache.update` where transformers passes it on to attention (5.24), and through a table keyed by
+  `module.layer_idx` that the attention call pops (what 5.17 uses). Attention then reads the pool with
+  the cache's page table and the layer's lengths (kv_start still comes from the metadata mask).
 """
 
 from __future__ import annotations
