@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 MAX_VARS = 4096
-MAX_ELEMENTS = 1 << 24  # mask elements x (variables + 1) the proof may materialize
+MAX_ELEMENTS = 1 << 24  # elements x (variables + 1) of one tensor the proof may build (expand is a view)
 # Only -inf hides a key in every case: a finite minimum (torch.finfo(dtype).min) hides it too while the row
 # sees some key, but a row that sees none then averages all values instead of giving zeros.
 HIDDEN = float("-inf")
@@ -126,7 +126,10 @@ class _Evaluator:
             return _Int(c.reshape(*shape, self.n + 1))
         if node.op == "get_attr":
             return self.const(_get_attr(self.gm, node.target).detach().cpu())
-        rule = _RULES.get(_op_name(node))
+        name = _op_name(node)
+        if name != "aten.expand" and _numel(_static_shape(node)) * (self.n + 1) > MAX_ELEMENTS:
+            raise Unprovable(f"{node.name} is too large to analyze ({tuple(_static_shape(node))})")
+        rule = _RULES.get(name)
         args = [self.value(a) for a in node.args]
         kwargs = {k: self.value(v) for k, v in node.kwargs.items()}
         return rule(self, node, *args, **kwargs)
@@ -513,6 +516,14 @@ def _as_bool(x) -> _Bool:
     raise Unprovable("the additive mask has values other than 0 and -inf")
 
 
+def _squash(x):
+    """x with its broadcast (stride-0, expanded) dims cut to size 1: the same mask, nothing materialized."""
+    shape, parts = _shape(x), _parts(x)
+    idx = tuple(slice(0, 1) if size > 1 and all(t.stride(d) == 0 for t in parts) else slice(None)
+                for d, size in enumerate(shape))
+    return _map(x, lambda t, e: t[idx])
+
+
 def _causal_t(form: torch.Tensor, j: torch.Tensor, unit: torch.Tensor) -> torch.Tensor | None:
     """T [mb, mh, ms, n + 1] if form [mb, mh, ms, L, n + 1] is T - j everywhere, else None."""
     t = form[:, :, :, 0]
@@ -523,7 +534,7 @@ def prove_causal(mask: fx.Node, *, batch: int, heads: int, q_len: int, kv_len: i
                  graph_module: fx.GraphModule | None = None) -> CausalMask:
     """Proves mask (broadcastable to [batch, heads, q_len, kv_len]) is position-causal; see the module doc."""
     value, leaves = evaluate(mask, graph_module)
-    m = _compact(_as_bool(value))
+    m = _compact(_as_bool(_squash(value)))
     shape = _shape(m)
     if len(shape) > 4:
         raise Unprovable(f"the mask has {len(shape)} dims")
