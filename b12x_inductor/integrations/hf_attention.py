@@ -113,12 +113,14 @@ def b12x_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         raise ValueError("b12x attention: got no attention mask; the mask function of 'b12x' was not called "
                          "(call b12x_inductor.integrations.hf.register() before building the model)")
     if not is_metadata_mask(attention_mask):
+        what = getattr(attention_mask, "dtype", type(attention_mask).__name__)
         raise _unsupported(
-            f"got a custom attention mask (shape {tuple(attention_mask.shape)}, {attention_mask.dtype}); b12x "
-            "takes a 2D left-padding mask only, not a 4D mask")
+            f"got a custom attention mask (shape {tuple(attention_mask.shape)}, {what}); b12x takes a 2D "
+            "left-padding mask only, not a 4D mask")
     batch = query.shape[0]
     if attention_mask.shape[0] != batch:
-        raise ValueError(f"b12x attention: the metadata mask has {attention_mask.shape[0]} rows for a batch of {batch}")
+        raise ValueError(f"b12x attention: the metadata mask has {attention_mask.shape[0]} rows for a batch of "
+                         f"{batch}")
     q = query.transpose(1, 2)  # [B, S, Hq, D], D contiguous
     kv_start, seqlens, page_table = unpack_metadata(attention_mask)
     sinks = None if s_aux is None else s_aux.float()
