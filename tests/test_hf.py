@@ -134,7 +134,7 @@ def test_layer_routes_through_update_kwargs_or_layer_table():
         hf_cache.routed_layer(module, torch.zeros(2, 2, 64, 64), {})
 
 
-def test_prefill_through_extend_plan_and_long_prompt():
+def test_prefill_through_extend_plan_and_long_prompt(spy):
     """A prompt longer than 16 tokens takes the extend plan (q [B, S > 16, Hq, D])."""
     model = make_model("llama")
     ids, mask = prompts(4, seed=7, length=40)
@@ -146,6 +146,7 @@ def test_prefill_through_extend_plan_and_long_prompt():
     torch.testing.assert_close(generate(model, "b12x", ids, mask, cache_implementation="static"), want)
     got = generate(model, "b12x", ids, mask, **cache_kwarg(model, new_b12x_cache(model, 4)))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert spy.count((4, 40, 4, 64)) == 2 * model.config.num_hidden_layers  # the two prefills
 
 
 def test_from_pretrained_and_set_attn_implementation(tmp_path):
