@@ -12,8 +12,11 @@ Substituted (lowering/substitute.py has the details): causal or unmasked self-at
 [B, Hkv, L, D] (GQA by enable_gqa or the repeat_kv / repeat_interleave idiom), and the static-cache decode
 idiom, where a mask built from the cache positions (`arange(L) <= input_pos`, transformers' sdpa mask)
 is proven "causal up to the position": the op then reads only the live keys, position + 1, computed on the
-device (no recompile, no host sync). Everything else is left exactly as it was, for example a mask read
-out of a buffer, an arbitrary additive mask, dropout, an unsupported head dim or dtype (fp32 on CUDA).
+device (no recompile, no host sync); a proven sliding window on top is kept. Several queries at runtime
+positions qualify where the keys are written at those positions (the write proves they fit the buffer).
+Everything else is left exactly as it was, for example a mask read out of a buffer (gpt-fast's
+`causal_mask[None, None, input_pos]`: build it as `arange(L) <= input_pos[:, None]` instead), a
+finfo.min or arbitrary additive mask, dropout, an unsupported head dim or dtype (fp32 on CUDA).
 
 The pass runs when Inductor compiles a graph: enable it before compiling (a graph compiled while it was
 off stays so until torch._dynamo.reset()). On/off enters Inductor's FX-cache key, so a cached graph is
