@@ -273,3 +273,32 @@ def test_cli_demo_json(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["requests"] == 3 and 6 <= report["output_tokens"] <= 12
     assert {"throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"} <= set(report)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graphs_bf16():
+    """On CUDA in bf16, with CUDA graphs: no cudagraph skip, nothing recompiles while serving, and every served
+    token is transformers' (SDPA) greedy choice up to bf16 near-ties, checked by teacher forcing."""
+    from torch._dynamo.utils import counters
+
+    model = _tiny_llama().to("cuda", torch.bfloat16)
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    engine = Engine(model, ServeConfig(num_pages=48, page_size=16, max_batch=4, token_budget=128,
+                                       max_model_len=256, num_draft=3, decode_buckets=(2, 4)))
+    counters.clear()
+    engine.warmup()
+    graphs = counters["stats"]["unique_graphs"]
+    requests = _requests(rate=50.0)
+    report = engine.serve(requests)
+    assert counters["stats"]["unique_graphs"] == graphs == len(engine.runner.buckets)
+    assert not counters["graph_break"] and not counters["inductor"]["cudagraph_skips"]
+    assert engine.pages.num_free == engine.config.num_pages and report.draft_acceptance > 0
+    for r in requests:
+        assert len(r.output) == r.max_new_tokens
+        ids = torch.tensor([r.tokens], device="cuda")
+        with torch.no_grad():
+            logits = reference(ids).logits[0, len(r.prompt) - 1:-1].float()  # the logits that chose each output
+        chosen = logits.gather(1, torch.tensor(r.output, device="cuda")[:, None])[:, 0]
+        gap = logits.max(1).values - chosen
+        assert (gap <= 0.02 * logits.abs().max(1).values).all(), (r.id, gap.tolist())

@@ -32,7 +32,7 @@ def _buckets(text: str) -> tuple[int, ...]:
 # What --demo runs where no option says otherwise: (CPU, CUDA).
 _DEMO = {
     "cpu": dict(size="tiny", requests=16, prompt_lens=(8, 200), output_lens=(8, 40), max_batch=8, token_budget=128,
-                decode_buckets=(8,), num_draft=3, max_model_len=256),
+                decode_buckets=(8,), num_draft=0, max_model_len=256),  # 2 buckets: a short cold compile
     "cuda": dict(size="1b", requests=128, prompt_lens=(128, 1024), output_lens=(64, 256), max_batch=64,
                  token_budget=2048, decode_buckets=None, num_draft=3, max_model_len=1536),
 }

@@ -49,15 +49,17 @@ class Report:
     draft_acceptance: float  # accepted / proposed draft tokens (nan without drafts)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields, with nan (no drafts, no request) as None: strict JSON."""
+        return {k: (None if v != v else v) for k, v in asdict(self).items()}
 
     def format(self) -> str:
         return (f"{self.requests} requests, {self.prompt_tokens} prompt + {self.output_tokens} output tokens in "
                 f"{self.elapsed_s:.2f} s ({self.steps} steps, {self.preemptions} preemptions)\n"
                 f"throughput {self.throughput_tok_s:.1f} output tokens/s\n"
                 f"TTFT p50 {self.ttft_p50_s * 1e3:.1f} ms, p99 {self.ttft_p99_s * 1e3:.1f} ms\n"
-                f"TPOT p50 {self.tpot_p50_s * 1e3:.2f} ms, p99 {self.tpot_p99_s * 1e3:.2f} ms\n"
-                f"draft acceptance {self.draft_acceptance:.2f}")
+                f"TPOT p50 {self.tpot_p50_s * 1e3:.2f} ms, p99 {self.tpot_p99_s * 1e3:.2f} ms"
+                + (f"\ndraft acceptance {self.draft_acceptance:.2f}" if self.draft_acceptance == self.draft_acceptance
+                   else ""))
 
 
 class Engine:
