@@ -8,8 +8,9 @@ to the live length only, SDPA reads the whole buffer under a mask) and generate'
 column: b12x with a `B12xCache` (page size 64).
 
 Rows: batch 1, 8, 32 x prompt 512, 3072 (random tokens, no padding). Decode tokens/s of one row:
-batch * (N - 1) / (t(N new tokens) - t(1 new token)), each t the median of --repeats generate calls after a
-warm-up call that compiles; prefill and the first token cancel out. Targets (issue 4): b12x >= 1.3x SDPA
+batch * (N - 1) / (time from the first generated token to the N-th), clocked after every token by a
+stopping criterion that synchronizes (generate synchronizes every step anyway); the median of --repeats
+generate calls after a warm-up call that compiles. Prefill is excluded. Targets (issue 4): b12x >= 1.3x SDPA
 where the live length stays <= max_cache_len / 2 (prompt 512), >= 1.0x everywhere.
 
 Prints a markdown table and writes JSON to --out. --quick: batch 8 only, 32 new tokens, 2 repeats (about
@@ -77,18 +78,28 @@ class Runner:
         else:
             self.kwargs.update(cache_implementation="static", max_cache_len=max_cache_len)
 
-    def __call__(self, ids: torch.Tensor, new_tokens: int) -> float:
-        """Seconds of one generate call of `new_tokens` tokens."""
+    def __call__(self, ids: torch.Tensor, new_tokens: int) -> list[float]:
+        """Times of one generate call: [start, after token 1, ..., after token new_tokens] (seconds)."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        device = self.device
+
+        class Clock(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                _sync(device)
+                times.append(time.perf_counter())
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
         self.model.set_attn_implementation("sdpa" if self.impl == "sdpa" else "b12x")
         if self.paged is not None:
             self.paged.reset()
-        _sync(self.device)
-        t0 = time.perf_counter()
+        _sync(device)
+        times = [time.perf_counter()]
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, **self.kwargs)
-        _sync(self.device)
-        assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
-        return time.perf_counter() - t0
+                                  min_new_tokens=new_tokens, stopping_criteria=StoppingCriteriaList([Clock()]),
+                                  **self.kwargs)
+        assert out.shape[1] == ids.shape[1] + new_tokens and len(times) == new_tokens + 1, (out.shape, len(times))
+        return times
 
 
 def _forward_params(model) -> set:
@@ -103,13 +114,15 @@ def _sync(device: torch.device) -> None:
 
 
 def decode_tokens_per_s(runner: Runner, ids: torch.Tensor, new_tokens: int, repeats: int) -> dict:
+    """Decode throughput from per-token clocks: the time from the first generated token to the last, i.e.
+    new_tokens - 1 decode steps of generate (prefill excluded), the median over `repeats` calls."""
     runner(ids, 3)  # warm-up: compiles the decode step, records its CUDA graph
-    runner(ids, 1)
-    t_n = statistics.median(runner(ids, new_tokens) for _ in range(repeats))
-    t_1 = statistics.median(runner(ids, 1) for _ in range(repeats))
+    calls = [runner(ids, new_tokens) for _ in range(repeats)]
     steps = new_tokens - 1
-    return dict(tokens_per_s=ids.shape[0] * steps / max(t_n - t_1, 1e-9), ms_per_step=1e3 * (t_n - t_1) / steps,
-                t_generate_s=t_n, t_prefill_s=t_1)
+    decode = statistics.median(t[-1] - t[1] for t in calls)
+    prefill = statistics.median(t[1] - t[0] for t in calls)
+    return dict(tokens_per_s=ids.shape[0] * steps / decode, ms_per_step=1e3 * decode / steps,
+                prefill_s=prefill, decode_s=decode)
 
 
 def run(args) -> dict:
