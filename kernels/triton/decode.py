@@ -1,0 +1,167 @@
+"""Decode and verify: split-KV attention with GQA packing, then a merge of the splits.
+
+Stage 1 (`split_kernel`), grid (B * Hkv * M-tiles, num_splits): one program takes request b, KV head h and
+one partition of the visible key range. Its BLOCK_M query rows are the S new tokens x G = Hq / Hkv query
+heads of that KV head (row r: token r // G, head h * G + r % G), so each KV tile is read once for all of
+them and both products go through `tl.dot`. The partition is sized on the device from the live length,
+so the same compiled kernel serves every length. With num_splits == 1 it writes out and lse directly;
+otherwise it writes each split's normalized partial output and log2-sum-exp into the scratch and stage 2
+(`merge_kernel`, grid (B * S * Hq,)) combines them with the sink.
+
+Key j of request b lives at page page_table[b, j // PAGE] offset j % PAGE; the page id is widened to 64 bits
+before it is multiplied by the cache's page stride. NHD and HND differ only in the strides passed.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so masked tiles never make exp2(-inf - -inf)
+
+
+@triton.jit
+def _tanh(x):
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit(do_not_specialize=[
+    "KV_START", "SINKS", "KDS", "VDS", "kds_b", "kds_h", "vds_b", "vds_h",
+    "has_kv_start", "has_sinks", "has_kds", "has_vds", "window_left",
+])
+def split_kernel(
+    Q, K, V, PT, SEQLENS, KV_START, SINKS, KDS, VDS, OUT, LSE, PART_O, PART_L,
+    stride_qb, stride_qs, stride_qh,
+    stride_kp, stride_ko, stride_kh,
+    stride_vp, stride_vo, stride_vh,
+    stride_ptb,
+    kds_b, kds_h, vds_b, vds_h,
+    has_kv_start, has_sinks, has_kds, has_vds,
+    window_left, sm_scale, softcap,
+    S: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    mt = pid % M_TILES
+    bh = pid // M_TILES
+    h = bh % HKV
+    b = bh // HKV
+    HQ: tl.constexpr = HKV * G
+
+    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < S * G
+    tok = rows // G
+    hq = h * G + rows % G
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+
+    q_ptr = Q + b.to(tl.int64) * stride_qb + tok.to(tl.int64) * stride_qs + hq.to(tl.int64) * stride_qh
+    q = tl.load(q_ptr[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
+
+    length = tl.load(SEQLENS + b)
+    start = tl.where(has_kv_start != 0, tl.load(KV_START + b), 0)
+    start = tl.maximum(start, 0)
+    limit = length - S + tok  # causal limit of each row
+    lo = start
+    if USE_WINDOW:
+        lo = tl.maximum(lo, length - S + mt * BLOCK_M // G - window_left)
+    hi = length
+    if CAUSAL:
+        hi = tl.minimum(hi, length - S + tl.minimum((mt * BLOCK_M + BLOCK_M - 1) // G, S - 1) + 1)
+    span = tl.maximum(hi - lo, 0)
+    chunk = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    s_lo = lo + split * chunk
+    s_hi = tl.minimum(s_lo + chunk, hi)
+
+    # Absent optional tensors come as valid dummy pointers with zero strides and a zero flag.
+    k_scale = sm_scale * tl.where(has_kds != 0, tl.load(KDS + b * kds_b + h * kds_h), 1.0)
+    v_scale = tl.where(has_vds != 0, tl.load(VDS + b * vds_b + h * vds_h), 1.0)
+
+    k_head = K + h.to(tl.int64) * stride_kh
+    v_head = V + h.to(tl.int64) * stride_vh
+    pt_row = PT + b.to(tl.int64) * stride_ptb
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for j0 in range(s_lo, s_hi, BLOCK_N):
+        offs_n = j0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < s_hi
+        page = tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        slot = (offs_n % PAGE).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_head + page[:, None] * stride_kp + slot[:, None] * stride_ko + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_head + page[:, None] * stride_vp + slot[:, None] * stride_vo + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        if USE_SOFTCAP:
+            logits = softcap * LOG2E * _tanh(tl.dot(q, tl.trans(k.to(DOT))) * (k_scale / softcap))
+        else:
+            logits = tl.dot(q, tl.trans(k.to(DOT))) * (k_scale * LOG2E)
+        visible = n_ok[None, :] & (offs_n[None, :] >= start)
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= limit[:, None])
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] >= limit[:, None] - window_left)
+        logits = tl.where(visible, logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(logits - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
+        m_i = m_new
+
+    seen = l_i > 0.0
+    safe_l = tl.where(seen, l_i, 1.0)
+    out_row = (b * S + tok).to(tl.int64) * HQ + hq
+    if NUM_SPLITS == 1:
+        sink = tl.where(has_sinks != 0, tl.load(SINKS + hq, mask=row_ok, other=0.0) * LOG2E, NEG_BIG)
+        m_f = tl.maximum(m_i, sink)
+        l_f = l_i * tl.exp2(m_i - m_f) + tl.exp2(sink - m_f)
+        l_f = tl.where(seen, l_f, 1.0)
+        o = acc * (tl.exp2(m_i - m_f) * v_scale / l_f)[:, None]
+        o = tl.where(seen[:, None], o, 0.0)
+        lse = tl.where(seen, (m_f + tl.log2(l_f)) * LN2, float("-inf"))
+        tl.store(OUT + out_row[:, None] * D + offs_d[None, :], o.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + out_row, lse, mask=row_ok)
+    else:
+        part = out_row * NUM_SPLITS + split
+        o = tl.where(seen[:, None], acc * (v_scale / safe_l)[:, None], 0.0)
+        tl.store(PART_O + part[:, None] * D + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(PART_L + part, tl.where(seen, m_i + tl.log2(safe_l), float("-inf")), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["SINKS", "has_sinks"])
+def merge_kernel(
+    PART_O, PART_L, SINKS, OUT, LSE, has_sinks,
+    HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # (b * S + token) * Hq + head
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    d_ok = offs_d < D
+    part_l = tl.load(PART_L + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(part_l, 0)
+    seen = m > float("-inf")
+    m_f = tl.where(seen, m, 0.0)
+    w = tl.exp2(part_l - m_f)
+    denom = tl.sum(w, 0)
+    sink = tl.where(has_sinks != 0, tl.load(SINKS + row % HQ) * LOG2E, NEG_BIG)
+    m_new = tl.maximum(m_f, sink)
+    w = w * tl.exp2(m_f - m_new)
+    denom = denom * tl.exp2(m_f - m_new) + tl.exp2(sink - m_new)
+    m_f = m_new
+    denom = tl.where(seen, denom, 1.0)
+    part_o = tl.load(PART_O + (row * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :],
+                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    o = tl.sum(part_o * (w / denom)[:, None], 0)
+    o = tl.where(seen, o, 0.0)
+    tl.store(OUT + row * D + offs_d, o.to(OUT.dtype.element_ty), mask=d_ok)
+    tl.store(LSE + row, tl.where(seen, (m_f + tl.log2(denom)) * LN2, float("-inf")))

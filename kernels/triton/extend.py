@@ -1,0 +1,184 @@
+"""Extend (prefill and chunked prefill): FlashAttention-2-style tiles over the paged cache.
+
+Grid (Hq, tiles): program (hq, t) takes BLOCK_M consecutive new tokens of one request and one query head
+and walks the visible keys in BLOCK_N tiles with an online softmax. The key range of a tile splits into a
+masked head (kv_start, window), an unmasked middle (every key visible to every row) and a masked tail (the
+causal diagonal), so the middle, which holds most of the work, computes no masks.
+
+4D q [B, S, Hq, D]: tile t is request t // cdiv(S, BLOCK_M); its longest (last) tiles run first.
+Packed q [T, Hq, D]: the grid is fixed by the capacity, cdiv(T, BLOCK_M) + B tiles, and each program maps
+its tile to a request on the device from cu_seqlens_q (a prefix sum of the per-request tile counts); the
+programs left over write zeros and lse = -inf into the padding rows past cu_seqlens_q[-1].
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .decode import LN2, LOG2E, NEG_BIG, _tanh
+
+
+@triton.jit
+def _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, stride_kp, stride_ko, stride_vp,
+          stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
+          BLOCK_N: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+          CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
+    offs_n = j0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hi
+    if MASKED:
+        page = tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+    else:
+        page = tl.load(pt_row + offs_n // PAGE).to(tl.int64)
+        kv_mask = d_ok[None, :]
+    slot = (offs_n % PAGE).to(tl.int64)
+    k_ptrs = k_head + page[:, None] * stride_kp + slot[:, None] * stride_ko + offs_d[None, :]
+    v_ptrs = v_head + page[:, None] * stride_vp + slot[:, None] * stride_vo + offs_d[None, :]
+    if MASKED or not EVEN_D:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if USE_SOFTCAP:
+        logits = softcap * LOG2E * _tanh(tl.dot(q, tl.trans(k.to(DOT))) * (k_scale / softcap))
+    else:
+        logits = tl.dot(q, tl.trans(k.to(DOT))) * (k_scale * LOG2E)
+    if MASKED:
+        visible = n_ok[None, :] & (offs_n[None, :] >= start)
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= limit[:, None])
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] >= limit[:, None] - window_left)
+        logits = tl.where(visible, logits, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(logits - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=[
+    "CU", "KV_START", "SINKS", "KDS", "VDS", "kds_b", "kds_h", "vds_b", "vds_h",
+    "has_kv_start", "has_sinks", "has_kds", "has_vds", "window_left",
+])
+def extend_kernel(
+    Q, K, V, PT, SEQLENS, CU, KV_START, SINKS, KDS, VDS, OUT, LSE,
+    stride_qb, stride_qs, stride_qh,
+    stride_kp, stride_ko, stride_kh,
+    stride_vp, stride_vo, stride_vh,
+    stride_ptb,
+    kds_b, kds_h, vds_b, vds_h,
+    has_kv_start, has_sinks, has_kds, has_vds,
+    window_left, sm_scale, softcap,
+    B: tl.constexpr, S: tl.constexpr, B_P2: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PACKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    hq = tl.program_id(0)
+    t = tl.program_id(1)
+    h = hq // G
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+
+    if PACKED:
+        idx = tl.arange(0, B_P2)
+        in_batch = idx < B
+        c_lo = tl.load(CU + idx, mask=in_batch, other=0)
+        c_hi = tl.load(CU + idx + 1, mask=in_batch, other=0)
+        n_req = tl.maximum(c_hi - c_lo, 0)
+        tiles = tl.cdiv(n_req, BLOCK_M)
+        cum = tl.cumsum(tiles, 0)  # inclusive
+        total = tl.sum(tiles, 0)
+        b = tl.minimum(tl.sum((cum <= t).to(tl.int32), 0), B - 1)
+        sel = idx == b
+        mt = t - tl.sum(tl.where(sel, cum - tiles, 0), 0)
+        q0 = tl.sum(tl.where(sel, c_lo, 0), 0)
+        n_b = tl.sum(tl.where(sel, n_req, 0), 0)
+        is_pad = t >= total
+        row0 = q0.to(tl.int64)
+        end = tl.load(CU + B)
+    else:
+        tiles_per_req: tl.constexpr = (S + BLOCK_M - 1) // BLOCK_M
+        b = t // tiles_per_req
+        mt = tiles_per_req - 1 - t % tiles_per_req
+        n_b = S
+        is_pad: tl.constexpr = False
+        total = 0
+        row0 = b.to(tl.int64) * S
+        end = 0
+
+    if is_pad:
+        # Padding rows past cu_seqlens_q[-1] (packed q only): zeros and lse = -inf.
+        pad = end + (t - total) * BLOCK_M + offs_m
+        pad_ok = pad < S
+        pad64 = pad.to(tl.int64) * HQ + hq
+        tl.store(OUT + pad64[:, None] * D + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(
+            OUT.dtype.element_ty), mask=pad_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + pad64, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=pad_ok)
+    else:
+        rows = mt * BLOCK_M + offs_m
+        row_ok = rows < n_b
+        if PACKED:
+            q_ptr = Q + (row0 + rows) * stride_qs + hq.to(tl.int64) * stride_qh
+        else:
+            q_ptr = Q + b.to(tl.int64) * stride_qb + rows.to(tl.int64) * stride_qs + hq.to(tl.int64) * stride_qh
+        q = tl.load(q_ptr[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
+
+        length = tl.load(SEQLENS + b)
+        start = tl.maximum(tl.where(has_kv_start != 0, tl.load(KV_START + b), 0), 0)
+        limit = length - n_b + rows
+        c_min = length - n_b + mt * BLOCK_M
+        c_max = length - n_b + tl.minimum(mt * BLOCK_M + BLOCK_M, n_b) - 1
+        lo = start
+        full_lo = start
+        if USE_WINDOW:
+            lo = tl.maximum(lo, c_min - window_left)
+            full_lo = tl.maximum(full_lo, c_max - window_left)
+        hi = length
+        full_hi = length
+        if CAUSAL:
+            hi = tl.minimum(hi, c_max + 1)
+            full_hi = tl.minimum(full_hi, c_min + 1)
+        n_pre = tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N)
+        u0 = lo + n_pre * BLOCK_N
+        u1 = u0 + tl.maximum(full_hi - u0, 0) // BLOCK_N * BLOCK_N
+
+        k_scale = sm_scale * tl.where(has_kds != 0, tl.load(KDS + b * kds_b + h * kds_h), 1.0)
+        v_scale = tl.where(has_vds != 0, tl.load(VDS + b * vds_b + h * vds_h), 1.0)
+        k_head = K + h.to(tl.int64) * stride_kh
+        v_head = V + h.to(tl.int64) * stride_vh
+        pt_row = PT + b.to(tl.int64) * stride_ptb
+        EVEN_D: tl.constexpr = BLOCK_D == D
+
+        m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for j0 in range(lo, tl.minimum(u0, hi), BLOCK_N):
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, stride_kp,
+                                  stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
+                                  BLOCK_N, PAGE, EVEN_D, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
+        for j0 in range(u0, u1, BLOCK_N):
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, stride_kp,
+                                  stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
+                                  BLOCK_N, PAGE, EVEN_D, False, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
+        for j0 in range(tl.maximum(u1, lo), hi, BLOCK_N):
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, stride_kp,
+                                  stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
+                                  BLOCK_N, PAGE, EVEN_D, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
+
+        seen = l_i > 0.0
+        sink = tl.where(has_sinks != 0, tl.load(SINKS + hq) * LOG2E, NEG_BIG)
+        m_f = tl.maximum(m_i, sink)
+        l_f = tl.where(seen, l_i * tl.exp2(m_i - m_f) + tl.exp2(sink - m_f), 1.0)
+        o = acc * (tl.exp2(m_i - m_f) * v_scale / l_f)[:, None]
+        o = tl.where(seen[:, None], o, 0.0)
+        lse = tl.where(seen, (m_f + tl.log2(l_f)) * LN2, float("-inf"))
+        out_row = (row0 + rows) * HQ + hq
+        tl.store(OUT + out_row[:, None] * D + offs_d[None, :], o.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + out_row, lse, mask=row_ok)

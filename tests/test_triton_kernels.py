@@ -1,0 +1,349 @@
+"""The Triton family against the reference.
+
+CPU (CI): the same Triton kernels run under TRITON_INTERPRET=1 in one subprocess (the interpreter must be
+chosen before the kernels are defined, and another test may have imported them already), on tiny shapes
+that still walk every mode, page size, layout, dtype and feature; each case is checked here on its own.
+The interpreter's bf16/fp16 `tl.dot` is wrong on CPU, so there the products run in fp32 (the index math,
+masks, splits and merges are the same code).
+
+GPU (`gpu` marker): every plan and feature through the public op, CUDA-graph capture and replay with the
+outputs poisoned and the lengths and page tables changed between replays, and torch.compile with
+mode="reduce-overhead" over changing lengths with no cudagraph skip and no recompile.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+F8 = torch.float8_e4m3fn
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Random problems (shared by the interpreter worker and the GPU tests)
+
+def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="NHD", dtype=torch.bfloat16,
+                kv_dtype=None, packed=False, lens=None, q_lens=None, kv_start=False, sinks=False, descale=None,
+                seed=0, device="cpu", spare_pages=1):
+    """Tensors of one call: caches are views of a combined [num_pages, 2, ...] cache (odd strides), pages in
+    random order, fresh random values. Packed q has 3 padding rows past the live tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
+    lens = lens or [q_len + 9 + 7 * b for b in range(batch)]
+    max_pages = max(-(-n // page_size) for n in lens) + spare_pages
+    num_pages = batch * max_pages + 3
+    inner = (page_size, hkv, d) if kv_layout == "NHD" else (hkv, page_size, d)
+    kv = torch.randn((num_pages, 2, *inner), generator=gen) * (2.0 if kv_dtype == F8 else 1.0)
+    kv = kv.to(kv_dtype).to(device)
+    page_table = torch.randperm(num_pages, generator=gen)[: batch * max_pages].reshape(batch, max_pages)
+    t = dict(k_cache=kv[:, 0], v_cache=kv[:, 1], page_table=page_table.int().to(device),
+             cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device), cu_seqlens_q=None,
+             kv_start=None, sinks=None, k_descale=None, v_descale=None)
+    if packed:
+        q_lens = q_lens or [min(n, 5 + 3 * b) for b, n in enumerate(lens)]
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        t["cu_seqlens_q"] = torch.tensor(cu, dtype=torch.int32, device=device)
+        t["q"] = torch.randn(cu[-1] + 3, hq, d, generator=gen).to(dtype).to(device)
+    else:
+        t["q"] = torch.randn(batch, q_len, hq, d, generator=gen).to(dtype).to(device)
+    if kv_start:
+        t["kv_start"] = torch.tensor([1 + 2 * b for b in range(batch)], dtype=torch.int32, device=device)
+    if sinks:
+        t["sinks"] = torch.randn(hq, generator=gen).to(device)
+    if descale is not None:
+        shape = {"scalar": (), "b": (batch,), "bh": (batch, hkv)}[descale]
+        t["k_descale"] = (torch.rand(shape, generator=gen) + 0.5).to(device)
+        t["v_descale"] = (torch.rand(shape, generator=gen) + 0.5).to(device)
+    return t
+
+
+def check_close(out, lse, ref_out, ref_lse, *, what=""):
+    """bf16/fp16 outputs: within 2 % of the output's range plus 2e-3; lse within 2e-3 (fp32 math); -inf and
+    zeros exactly where the reference has them."""
+    out, lse = out.float().cpu(), lse.float().cpu()
+    ref_inf = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), ref_inf), f"{what}: lse -inf pattern differs"
+    assert torch.all(out[ref_inf] == 0), f"{what}: rows with no visible key must be zero"
+    tol = 2e-2 * float(ref_out.abs().max()) + 2e-3
+    err = float((out - ref_out).abs().max())
+    assert err <= tol, f"{what}: out max error {err:.3g} > {tol:.3g}"
+    if (~ref_inf).any():
+        lerr = float((lse[~ref_inf] - ref_lse[~ref_inf]).abs().max())
+        assert lerr <= 2e-3 + 1e-3 * float(ref_lse[~ref_inf].abs().max()), f"{what}: lse max error {lerr:.3g}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPU: the kernels under the Triton interpreter
+
+# (name, mode, plan (num_splits, block_m, block_n), make_inputs kwargs, options)
+INTERPRETER_CASES = [
+    ("decode_nhd_split3", "decode", (3, 16, 16), dict(), dict()),
+    ("decode_nosplit_page1", "decode", (1, 16, 16), dict(page_size=1), dict()),
+    ("decode_hnd_page5_d96", "decode", (2, 16, 16), dict(kv_layout="HND", page_size=5, d=96, hq=8, hkv=1), dict()),
+    ("decode_features", "decode", (3, 16, 16), dict(kv_start=True, sinks=True, dtype=torch.float16),
+     dict(window_left=5, softcap=3.0)),
+    ("decode_empty_and_noncausal", "decode", (2, 16, 16), dict(lens=[0, 11]), dict(causal=False)),
+    ("decode_fp8_bh", "decode", (2, 16, 16), dict(kv_dtype=F8, descale="bh"), dict()),
+    ("decode_fp8_b_hnd", "decode", (1, 16, 16), dict(kv_dtype=F8, descale="b", kv_layout="HND"), dict()),
+    ("verify_features", "verify", (3, 16, 16), dict(q_len=4, kv_start=True, sinks=True), dict(window_left=3)),
+    ("verify_mtiles_short", "verify", (2, 16, 16), dict(q_len=5, hq=8, hkv=1, lens=[3, 12], page_size=3), dict()),
+    ("extend_4d_window", "extend", (1, 16, 16), dict(q_len=18, lens=[18, 30], d=96, sinks=True, kv_start=True),
+     dict(window_left=4, softcap=2.0)),
+    ("extend_packed", "extend", (1, 16, 16), dict(packed=True, lens=[25, 33], page_size=5, kv_layout="HND"),
+     dict()),
+    ("extend_packed_fp8_noncausal", "extend", (1, 16, 16),
+     dict(packed=True, lens=[21, 30], q_lens=[0, 17], kv_dtype=F8, descale="scalar"), dict(causal=False)),
+]
+
+
+def _interpreter_worker() -> None:
+    """Runs every INTERPRETER_CASES case through kernels.triton.run; prints one JSON line per case."""
+    from b12x_inductor.kernels import triton as tk
+    from b12x_inductor.kernels.reference import paged_attention_reference
+
+    for name, mode, (splits, block_m, block_n), kw, opts in INTERPRETER_CASES:
+        try:
+            t = make_inputs(**kw)
+            q = t["q"]
+            options = dict(kv_layout=kw.get("kv_layout", "NHD"), causal=True, scale=1.1 * q.shape[-1] ** -0.5,
+                           window_left=-1, softcap=0.0)
+            options.update(opts)
+            out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+            lse = torch.full(q.shape[:-1], float("nan"))
+            rows = q.shape[0] * q.shape[1] if q.dim() == 4 else 0
+            scratch = torch.empty(rows * q.shape[-2] * splits * (q.shape[-1] + 1) * 4 if splits > 1 else 0,
+                                  dtype=torch.uint8)
+            plan = dict(num_splits=splits, block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
+            tk.run(mode, t, out=out, lse=lse, scratch=scratch, options=options, plan=plan)
+            ref_out, ref_lse = paged_attention_reference(**t, **options)
+            check_close(out, lse, ref_out, ref_lse, what=name)
+            print(json.dumps({"case": name, "ok": True}), flush=True)
+        except Exception as e:  # reported per case by the parent test
+            print(json.dumps({"case": name, "ok": False, "error": f"{type(e).__name__}: {e}"}), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpreter-worker"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            results[r["case"]] = r
+    if not results:
+        pytest.fail(f"interpreter worker produced no results (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return results
+
+
+@pytest.mark.parametrize("name", [c[0] for c in INTERPRETER_CASES])
+def test_interpreter_matches_reference(interpreter_results, name):
+    r = interpreter_results.get(name)
+    assert r is not None, f"{name}: no result from the interpreter worker"
+    assert r["ok"], r.get("error")
+
+
+def test_triton_plan_is_pure_and_sized():
+    """The Triton branch of select_plan for a CUDA problem: splits fill the SMs, scratch fits the splits."""
+    from b12x_inductor.plan import Problem, select_plan, split_scratch_bytes
+
+    base = dict(batch=8, q_len=1, packed=False, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                max_pages=512, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_layout="NHD",
+                device_type="cuda", sm_count=132, capability=(9, 0))
+    p = Problem(**base)
+    plan = select_plan(p)
+    assert plan == select_plan(Problem(**base))
+    assert plan.family == "triton" and plan.mode == "decode"
+    assert plan.block_m == 16 and plan.num_splits > 1
+    assert plan.scratch_bytes == split_scratch_bytes(p, plan.num_splits)
+    verify = select_plan(Problem(**{**base, "q_len": 4}))
+    assert verify.mode == "verify" and verify.block_m == 16
+    extend = select_plan(Problem(**{**base, "q_len": 64}))
+    assert extend.mode == "extend" and extend.scratch_bytes == 0
+    assert select_plan(Problem(**{**base, "device_type": "cpu", "sm_count": 0})).family == "torch"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU
+
+GPU_CASES = [
+    # (name, make_inputs kwargs, options)
+    ("decode_bf16_nhd_p16", dict(batch=3, hq=32, hkv=8, d=128, page_size=16, lens=[700, 1, 2053]), {}),
+    ("decode_fp16_hnd_p1", dict(batch=2, hq=8, hkv=2, d=64, page_size=1, lens=[300, 77], dtype=torch.float16,
+                                kv_layout="HND"), {}),
+    ("decode_d96_p5", dict(batch=2, hq=12, hkv=4, d=96, page_size=5, lens=[333, 41]), {}),
+    ("decode_d192_hnd", dict(batch=2, hq=8, hkv=1, d=192, page_size=16, lens=[513, 90], kv_layout="HND"), {}),
+    ("decode_d256_p7", dict(batch=2, hq=16, hkv=2, d=256, page_size=7, lens=[400, 3]), {}),
+    ("decode_features", dict(batch=3, hq=16, hkv=4, d=128, page_size=16, lens=[600, 37, 0], kv_start=True,
+                             sinks=True), dict(window_left=100, softcap=20.0, scale=0.05)),
+    ("decode_noncausal_empty", dict(batch=2, hq=8, hkv=8, d=64, page_size=16, lens=[0, 129]), dict(causal=False)),
+    ("decode_fp8_scalar", dict(batch=2, hq=32, hkv=8, d=128, page_size=16, lens=[900, 65], kv_dtype=F8,
+                               descale="scalar"), {}),
+    ("decode_fp8_b_hnd", dict(batch=2, hq=16, hkv=4, d=128, page_size=16, lens=[300, 999], kv_dtype=F8,
+                              descale="b", kv_layout="HND"), {}),
+    ("decode_fp8_bh_fp16", dict(batch=2, hq=8, hkv=2, d=64, page_size=4, lens=[222, 5], kv_dtype=F8,
+                                descale="bh", dtype=torch.float16), {}),
+    ("verify_s4", dict(batch=3, q_len=4, hq=32, hkv=8, d=128, page_size=16, lens=[800, 4, 2])),
+    ("verify_s16_g8", dict(batch=2, q_len=16, hq=64, hkv=8, d=128, page_size=16, lens=[500, 31])),
+    ("verify_features_hnd", dict(batch=2, q_len=3, hq=8, hkv=2, d=128, page_size=3, lens=[260, 20],
+                                 kv_layout="HND", kv_start=True, sinks=True), dict(window_left=7, softcap=10.0)),
+    ("verify_fp8_d256", dict(batch=2, q_len=5, hq=8, hkv=2, d=256, page_size=16, lens=[300, 40], kv_dtype=F8,
+                             descale="bh")),
+    ("extend_4d", dict(batch=2, q_len=200, hq=16, hkv=4, d=128, page_size=16, lens=[200, 333])),
+    ("extend_4d_d64_p5_features", dict(batch=2, q_len=40, hq=8, hkv=2, d=64, page_size=5, lens=[40, 170],
+                                       kv_start=True, sinks=True), dict(window_left=31, softcap=15.0)),
+    ("extend_packed_hnd", dict(batch=3, hq=16, hkv=4, d=128, page_size=16, packed=True, lens=[300, 64, 129],
+                               q_lens=[150, 0, 129], kv_layout="HND")),
+    ("extend_packed_d192_noncausal", dict(batch=2, hq=8, hkv=2, d=192, page_size=16, packed=True,
+                                          lens=[100, 220], q_lens=[33, 70]), dict(causal=False)),
+    ("extend_packed_d96_fp8", dict(batch=2, hq=8, hkv=2, d=96, page_size=8, packed=True, lens=[90, 260],
+                                   q_lens=[90, 100], kv_dtype=F8, descale="b")),
+    ("extend_d256_fp16", dict(batch=1, q_len=130, hq=4, hkv=1, d=256, page_size=16, lens=[400],
+                              dtype=torch.float16)),
+]
+
+
+def _call(t, options, out=None):
+    import b12x_inductor as b12x
+
+    return b12x.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"],
+                                t["cu_seqlens_q"], kv_start=t["kv_start"], sinks=t["sinks"],
+                                k_descale=t["k_descale"], v_descale=t["v_descale"], return_lse=True, out=out,
+                                **options)
+
+
+def _reference(t, options):
+    from b12x_inductor.kernels.reference import paged_attention_reference
+
+    return paged_attention_reference(**t, **options)
+
+
+def _plan_of(t, options):
+    from b12x_inductor import validate
+    from b12x_inductor.plan import select_plan
+
+    problem = validate.check_paged_attention(
+        t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"],
+        kv_layout=options.get("kv_layout", "NHD"), causal=options.get("causal", True), scale=options.get("scale"),
+        window_left=options.get("window_left", -1), kv_start=t["kv_start"], sinks=t["sinks"],
+        softcap=options.get("softcap", 0.0), k_descale=t["k_descale"], v_descale=t["v_descale"], out=None)
+    return select_plan(problem)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,kw,options", [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in GPU_CASES],
+                         ids=[c[0] for c in GPU_CASES])
+def test_gpu_matches_reference(name, kw, options):
+    kw = dict(kw)
+    options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
+    t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000)
+    plan = _plan_of(t, options)
+    assert plan.family == "triton", f"{name}: expected the Triton family, got {plan}"
+    out = torch.full_like(t["q"], float("nan"))
+    _, lse = _call(t, options, out=out)
+    torch.cuda.synchronize()
+    check_close(out, lse, *_reference(t, options), what=f"{name} {plan}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["decode", "verify", "extend_packed"])
+def test_gpu_cuda_graph_replay(mode):
+    """Capture once; poison the outputs, change lengths and page tables in place, replay, compare."""
+    kw = dict(batch=3, hq=16, hkv=4, d=128, page_size=16, lens=[500, 260, 70], spare_pages=4)
+    if mode == "verify":
+        kw["q_len"] = 4
+    if mode == "extend_packed":
+        kw.update(packed=True, q_lens=[40, 20, 30])
+    t = make_inputs(**kw, device="cuda", seed=7)
+    options = dict(kv_layout="NHD")
+    out = torch.empty_like(t["q"])
+    _call(t, options, out=out)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = _call(t, options, out=out)
+    gen = torch.Generator().manual_seed(3)
+    cap = t["page_table"].shape[1] * 16
+    for step in range(3):
+        lens = torch.randint(45, cap + 1, (3,), generator=gen).int()
+        t["cache_seqlens"].copy_(lens)
+        perm = torch.randperm(t["k_cache"].shape[0], generator=gen)[: t["page_table"].numel()]
+        t["page_table"].copy_(perm.reshape(t["page_table"].shape).int())
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_close(out, lse, *_reference(t, options), what=f"{mode} replay {step}")
+
+
+@pytest.mark.gpu
+def test_gpu_compile_reduce_overhead_no_skip_no_recompile():
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import b12x_inductor as b12x
+
+    t = make_inputs(batch=4, hq=32, hkv=8, d=128, page_size=16, lens=[300, 200, 100, 50], spare_pages=8,
+                    device="cuda", seed=11)
+
+    def step(q, k, v, pt, lens):
+        out, lse = b12x.paged_attention(q, k, v, pt, lens, return_lse=True)
+        return out * 2.0, lse
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    gen = torch.Generator().manual_seed(5)
+    cap = t["page_table"].shape[1] * 16
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(5):
+            t["cache_seqlens"].copy_(torch.randint(1, cap + 1, (4,), generator=gen).int())
+            out, lse = compiled(t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"])
+            torch.cuda.synchronize()
+            ref_out, ref_lse = _reference(t, dict(kv_layout="NHD"))
+            check_close(out / 2.0, lse, ref_out, ref_lse, what=f"compiled step {i}")
+    assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+
+
+@pytest.mark.gpu
+def test_gpu_warmup_precompiles():
+    """warmup() compiles the bucket's kernels; the first real call then compiles nothing new."""
+    import b12x_inductor as b12x
+    from b12x_inductor.kernels.triton import decode
+
+    t = make_inputs(batch=2, hq=8, hkv=2, d=64, page_size=16, lens=[77, 300], device="cuda", seed=2)
+    problem_plan = _plan_of(t, dict(kv_layout="NHD"))
+    from b12x_inductor import validate
+
+    problem = validate.check_paged_attention(t["q"], t["k_cache"], t["v_cache"], t["page_table"],
+                                             t["cache_seqlens"], None, kv_layout="NHD", causal=True, scale=0.3,
+                                             window_left=-1, kv_start=None, sinks=None, softcap=0.0,
+                                             k_descale=None, v_descale=None, out=None)
+    b12x.warmup([problem], scale=0.3)
+    def compiled_variants():
+        try:
+            return sum(len(c[0]) for c in decode.split_kernel.device_caches.values())
+        except (AttributeError, TypeError):
+            return None
+
+    before = compiled_variants()
+    assert before is None or before >= 1
+    _call(t, dict(kv_layout="NHD", scale=0.3))
+    torch.cuda.synchronize()
+    assert compiled_variants() == before, "the first call compiled a new kernel variant"
+    assert problem_plan.family == "triton"
+
+
+if __name__ == "__main__" and "--interpreter-worker" in sys.argv:
+    _interpreter_worker()
