@@ -17,7 +17,7 @@ import torch
 from b12x_inductor import ops as _ops  # noqa: F401  (registers torch.ops.b12x.*)
 from b12x_inductor.plan import Plan, Problem, select_plan
 
-__all__ = ["paged_attention", "write_kv", "select_plan", "Plan", "Problem"]
+__all__ = ["paged_attention", "write_kv", "warmup", "select_plan", "Plan", "Problem"]
 
 
 def paged_attention(
@@ -102,6 +102,23 @@ def write_kv(
     """
     torch.ops.b12x.write_kv(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale,
                             v_scale=v_scale)
+
+
+def warmup(problems, *, causal: bool = True, scale: float | None = None, window_left: int = -1,
+           softcap: float = 0.0) -> None:
+    """Compiles ahead the kernels of the given buckets, so that no JIT compile happens later (inside a
+    CUDA-graph capture, say). `problems`: one `Problem` or an iterable of them (e.g. from
+    `validate.check_paged_attention` or built by hand, with device_type "cuda" and its sm_count and
+    capability); the options are those the calls will pass. Buckets that run the torch family need nothing.
+    """
+    from b12x_inductor.kernels import precompile
+    from b12x_inductor.ops import plan_for
+
+    for p in [problems] if isinstance(problems, Problem) else problems:
+        options = dict(kv_layout=p.kv_layout, causal=causal,
+                       scale=p.head_dim**-0.5 if scale is None else float(scale), window_left=window_left,
+                       softcap=float(softcap))
+        precompile(p, plan_for(p), options)
 
 
 from b12x_inductor import lowering as _lowering  # noqa: E402,F401  (registers the Inductor lowering)

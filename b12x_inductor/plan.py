@@ -131,15 +131,42 @@ def select_plan(problem: Problem) -> Plan:
     if family == "torch":
         return Plan(mode=mode, family="torch", num_splits=1, block_m=0, block_n=0, num_warps=0,
                     num_stages=0, scratch_bytes=0)
-    d = problem.head_dim
+    return _triton_plan(problem)
+
+
+# Triton tiles, measured on the H200 (benchmarks/results/h200.md, "## Kernels"). Decode/verify are bound by
+# the KV bytes: split-KV programs (B x Hkv x M-tiles x splits) should number about 8 per SM, the split count
+# a power of two (uneven splits and part waves cost up to 25 %), each split at least 256 keys of capacity.
+# float8 caches take 128-key tiles (half the bytes per key).
+_TRITON_PROGRAMS_PER_SM = 8
+_TRITON_MIN_SPLIT_KEYS = 256
+_TRITON_MAX_SPLITS = 64
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
+
+
+def _triton_plan(problem: Problem) -> Plan:
+    """The Triton family's tiles and split count: a pure function of the Problem."""
+    mode, d = problem.mode, problem.head_dim
+    fp8 = problem.kv_dtype == torch.float8_e4m3fn
     if mode == "extend":
-        block_m, block_n = (128, 64) if d <= 128 else (64, 32)
-        return Plan(mode=mode, family=family, num_splits=1, block_m=block_m, block_n=block_n,
-                    num_warps=8 if d <= 128 else 4, num_stages=2, scratch_bytes=0)
-    block_m = max(16, _next_pow2(problem.q_len * problem.group))
-    block_n = 64 if d <= 128 else 32
-    programs = problem.batch * problem.num_kv_heads
-    wanted = -(-2 * max(problem.sm_count, 1) // programs)  # about two waves of programs
-    num_splits = max(1, min(wanted, problem.kv_capacity // 256, 64))
-    return Plan(mode=mode, family=family, num_splits=num_splits, block_m=block_m, block_n=block_n,
-                num_warps=4, num_stages=2, scratch_bytes=split_scratch_bytes(problem, num_splits))
+        if d <= 128:
+            return Plan(mode=mode, family="triton", num_splits=1, block_m=128, block_n=128, num_warps=8,
+                        num_stages=3, scratch_bytes=0)
+        return Plan(mode=mode, family="triton", num_splits=1, block_m=64, block_n=32, num_warps=4, num_stages=2,
+                    scratch_bytes=0)
+    rows = problem.q_len * problem.group  # query rows packed per KV head
+    block_m = min(max(16, _next_pow2(rows)), 64 if d > 128 else 128)
+    m_tiles = -(-rows // block_m)
+    block_n = (128 if fp8 else 64) if d <= 128 else (64 if fp8 else 32)
+    programs = problem.batch * problem.num_kv_heads * m_tiles
+    target = _prev_pow2(_TRITON_PROGRAMS_PER_SM * max(problem.sm_count, 1))
+    num_splits = 1
+    while (programs * num_splits < target and num_splits < _TRITON_MAX_SPLITS
+           and problem.kv_capacity // (2 * num_splits) >= _TRITON_MIN_SPLIT_KEYS):
+        num_splits *= 2
+    return Plan(mode=mode, family="triton", num_splits=num_splits, block_m=block_m, block_n=block_n,
+                num_warps=4 if block_m <= 32 else 8, num_stages=2,
+                scratch_bytes=split_scratch_bytes(problem, num_splits))
