@@ -71,9 +71,12 @@ def spy(monkeypatch):
     calls = []
     real = b12x_inductor.paged_attention
 
-    def counting(q, *args, **kwargs):
+    def counting(q, k_cache, v_cache, page_table, cache_seqlens, *args, kv_start=None, **kwargs):
+        # the kernels read page-table rows, lengths and starts with unit stride
+        assert page_table.stride(-1) == 1 and cache_seqlens.is_contiguous(), (page_table.stride(), cache_seqlens)
+        assert kv_start is None or kv_start.is_contiguous(), kv_start.stride()
         calls.append(tuple(q.shape))
-        return real(q, *args, **kwargs)
+        return real(q, k_cache, v_cache, page_table, cache_seqlens, *args, kv_start=kv_start, **kwargs)
 
     monkeypatch.setattr(b12x_inductor, "paged_attention", counting)
     return calls
