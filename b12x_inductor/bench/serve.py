@@ -19,7 +19,8 @@ excluded and reported apart). TTFT: arrival to first token; TPOT: (last - first 
 request, p50 and p99. "same" compares each system's outputs with the static baseline's: identical requests /
 requests with the same first token (bf16 near-ties can flip a token and everything after it).
 
-Prints a markdown table and writes JSON to --out. --quick: 64 requests, prompts 128-1024, outputs 64-256,
+Prints a markdown table and writes JSON to --out; --merge A.json B.json prints one table from runs split by
+--systems (the "same" column needs one run). --quick: 64 requests, prompts 128-1024, outputs 64-256,
 one bucket per step kind (about three minutes on an H200). Buckets trade compile time (each is one
 Inductor compile and CUDA-graph capture) for padding: full compiles 8 (decode 32, 64, 128; verify the same;
 extend 512, 2048), quick 3. --tiny: a tiny fp32 model on CPU, to check the harness.
@@ -233,7 +234,15 @@ def main(argv) -> None:
                    help="comma-separated: static, generate_batch, b12x (b12x includes b12x+lookup)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="print one table from runs split by --systems")
     args = p.parse_args(argv)
+    if args.merge:
+        rows = []
+        for path in args.merge:
+            with open(path) as f:
+                rows += json.load(f)["rows"]
+        print(table(rows))
+        return
 
     preset = dict(PRESETS["tiny" if args.tiny else "quick" if args.quick else "full"])
     if args.requests:
