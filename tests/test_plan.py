@@ -50,19 +50,19 @@ cpu decode 8x1               decode  torch  splits=1   m=0   n=0   warps=0 stage
 cpu verify 8x4               verify  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
 cpu extend 2x64              extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
 cpu packed T=256             extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-h200 decode 1x32768          decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-h200 decode 8x8192           decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-h200 decode 32x4096          decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-h200 decode 64x2048          decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-h200 decode 128x1024         decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-h200 decode 16x16384         decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-h200 decode fp8 32x4096      decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-h200 decode D=256 g=1        decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-h200 verify 8x8192 S=4       verify  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-h200 verify 64x2048 S=16     verify  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-h200 extend 4x4096           extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-h200 packed T=16384          extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-h200 extend D=256            extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0""")
+h200 decode 1x32768          decode  triton splits=64  m=16  n=64  warps=4 stages=2 scratch=1056768
+h200 decode 8x8192           decode  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=2113536
+h200 decode 32x4096          decode  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=2113536
+h200 decode 64x2048          decode  triton splits=2   m=16  n=64  warps=4 stages=2 scratch=2113536
+h200 decode 128x1024         decode  triton splits=1   m=16  n=64  warps=4 stages=2 scratch=0
+h200 decode 16x16384         decode  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=2113536
+h200 decode fp8 32x4096      decode  triton splits=4   m=16  n=128 warps=4 stages=2 scratch=2113536
+h200 decode D=256 g=1        decode  triton splits=16  m=16  n=32  warps=4 stages=2 scratch=1052672
+h200 verify 8x8192 S=4       verify  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=8454144
+h200 verify 64x2048 S=16     verify  triton splits=2   m=64  n=64  warps=8 stages=2 scratch=33816576
+h200 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
+h200 packed T=16384          extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
+h200 extend D=256            extend  triton splits=1   m=64  n=32  warps=4 stages=2 scratch=0""")
 
     def test_modes_from_static_shapes(self):
         def mode(q_len, packed=False):
