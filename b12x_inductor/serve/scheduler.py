@@ -154,8 +154,8 @@ class Scheduler:
         """Schedules tokens num_computed .. num_computed + n - 1 of a running request, preempting the most
         recently admitted request without work in this step while pages run out (`r` itself last); returns
         the number of tokens taken (0 if `r` was preempted)."""
-        busy = {id(w.request) for w in work}
         while not self.pages.grow(r.pages, r.num_computed + n):
+            busy = {id(w.request) for w in work}
             victim = next((v for v in reversed(self.running) if v is not r and id(v) not in busy), r)
             self.preempt(victim)
             if victim is r:
