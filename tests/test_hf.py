@@ -75,6 +75,7 @@ def spy(monkeypatch):
         # the kernels read page-table rows, lengths and starts with unit stride
         assert page_table.stride(-1) == 1 and cache_seqlens.is_contiguous(), (page_table.stride(), cache_seqlens)
         assert kv_start is None or kv_start.is_contiguous(), kv_start.stride()
+        assert all(t.data_ptr() % 16 == 0 for t in (page_table, cache_seqlens, kv_start) if t is not None)
         calls.append(tuple(q.shape))
         return real(q, k_cache, v_cache, page_table, cache_seqlens, *args, kv_start=kv_start, **kwargs)
 

@@ -22,10 +22,11 @@ bidirectional layers, head_dim outside 64/96/128/192/256, dropout in training mo
 How the pieces meet (the public surface other code may rely on):
 - `register()` adds the attention function `b12x_attention` under the name "b12x" to transformers'
   `AttentionInterface`, and its mask function `b12x_mask` to `AttentionMaskInterface`.
-- The mask function turns the 2D padding mask into a small int32 "metadata mask" of shape [1, 1, 3, B]:
-  row 0 = kv_start (first non-pad position of each request; left padding only), row 1 = the request's
-  cache length after this forward (q_offset + q_length), row 2 = b (the one-page-per-request page table
-  of a StaticCache, so that no layer builds one); each row contiguous. Transformers passes 4D masks through
+- The mask function turns the 2D padding mask into a small int32 "metadata mask" of shape [1, 1, 3, Bp]
+  (Bp = B rounded up to a multiple of 4): row 0 = kv_start (first non-pad position of each request; left
+  padding only), row 1 = the request's cache length after this forward (q_offset + q_length), row 2 = b
+  (the one-page-per-request page table of a StaticCache, so that no layer builds one); each row contiguous
+  and 16-byte aligned, as the kernels read them. Transformers passes 4D masks through
   untouched, so it reaches the attention function inside the compiled region with a fixed shape. See
   `metadata_mask` / `unpack_metadata`.
 - With transformers' StaticCache, attention receives the whole [B, Hkv, max_cache_len, D] buffers and reads

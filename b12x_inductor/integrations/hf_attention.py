@@ -26,23 +26,29 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_NAME, b12x_mask)
 
 
+_ALIGN = 4  # int32 elements per 16 bytes: each row of the metadata mask starts 16-byte aligned
+
+
 def metadata_mask(kv_start: torch.Tensor, cache_seqlens: torch.Tensor) -> torch.Tensor:
-    """Packs int32 kv_start [B] and cache_seqlens [B] into the int32 [1, 1, 3, B] metadata mask; its last
-    row is the request index, the one-page-per-request page table of a StaticCache. Each row is contiguous
-    (the kernels read these arrays with unit stride), and transformers keeps the mask `.contiguous()`."""
-    rows = torch.arange(kv_start.shape[0], dtype=torch.int32, device=kv_start.device)
-    return torch.stack([kv_start.to(torch.int32), cache_seqlens.to(torch.int32), rows]).view(1, 1, 3, -1)
+    """Packs int32 kv_start [B] and cache_seqlens [B] into the int32 [1, 1, 3, Bp] metadata mask (Bp: B
+    rounded up to a multiple of 4); its last row is the request index, the one-page-per-request page table
+    of a StaticCache. Each row is contiguous and 16-byte aligned, as the kernels read these arrays (and
+    transformers keeps the mask `.contiguous()`)."""
+    b = kv_start.shape[0]
+    rows = torch.arange(b, dtype=torch.int32, device=kv_start.device)
+    meta = torch.stack([kv_start.to(torch.int32), cache_seqlens.to(torch.int32), rows])
+    return torch.nn.functional.pad(meta, (0, -b % _ALIGN)).view(1, 1, 3, -1)
 
 
 def is_metadata_mask(mask: object) -> bool:
     return (isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and mask.dim() == 4
-            and tuple(mask.shape[:3]) == (1, 1, 3) and mask.is_contiguous())
+            and tuple(mask.shape[:3]) == (1, 1, 3) and mask.shape[3] % _ALIGN == 0 and mask.is_contiguous())
 
 
-def unpack_metadata(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The int32 [1, 1, 3, B] metadata mask -> contiguous int32 views kv_start [B], cache_seqlens [B] and
-    the StaticCache page table [B, 1] (request b reads page b)."""
-    return mask[0, 0, 0], mask[0, 0, 1], mask[0, 0, 2][:, None]
+def unpack_metadata(mask: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int32 [1, 1, 3, Bp] metadata mask of `batch` requests -> contiguous int32 views kv_start [B],
+    cache_seqlens [B] and the StaticCache page table [B, 1] (request b reads page b)."""
+    return mask[0, 0, 0, :batch], mask[0, 0, 1, :batch], mask[0, 0, 2, :batch, None]
 
 
 def _check_left_padding(padding_mask: torch.Tensor) -> None:
@@ -59,7 +65,7 @@ def _check_left_padding(padding_mask: torch.Tensor) -> None:
 def b12x_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
               mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
               device=None, **kwargs) -> torch.Tensor:
-    """Mask function of "b12x": returns the int32 [1, 1, 3, B] metadata mask (see hf.py).
+    """Mask function of "b12x": returns the int32 [1, 1, 3, Bp] metadata mask (see hf.py).
 
     attention_mask is transformers' 2D padding mask, bool [B, >= q_offset + q_length] (or None); q_offset
     (int or 0-dim tensor) is the number of tokens cached before this forward.
@@ -119,11 +125,11 @@ def b12x_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
             f"got a custom attention mask (shape {tuple(attention_mask.shape)}, {what}); b12x takes a 2D "
             "left-padding mask only, not a 4D mask")
     batch = query.shape[0]
-    if attention_mask.shape[-1] != batch:
-        raise ValueError(f"b12x attention: the metadata mask is for {attention_mask.shape[-1]} requests, the "
-                         f"batch has {batch}")
+    if attention_mask.shape[-1] != batch + (-batch % _ALIGN):
+        raise ValueError(f"b12x attention: the metadata mask (shape {tuple(attention_mask.shape)}) is not for a "
+                         f"batch of {batch}")
     q = query.transpose(1, 2)  # [B, S, Hq, D], D contiguous
-    kv_start, seqlens, page_table = unpack_metadata(attention_mask)
+    kv_start, seqlens, page_table = unpack_metadata(attention_mask, batch)
     sinks = None if s_aux is None else s_aux.float()
     opts = dict(scale=scaling, kv_start=kv_start, softcap=float(softcap or 0.0), sinks=sinks)
     layer = hf_cache.routed_layer(module, key, kwargs)
