@@ -14,7 +14,6 @@ mode="reduce-overhead" over changing lengths with no cudagraph skip and no recom
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys

@@ -465,7 +465,7 @@ def main(argv) -> None:
     sweep = [tuple(int(y) for y in x.split(":")) for x in args.variants.split(",") if x]
     rows = set(args.rows.split(","))
     versions = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
-                    date=datetime.datetime.utcnow()
+                    date=datetime.datetime.now(datetime.timezone.utc)
                     .strftime("%Y-%m-%d %H:%M UTC"))
     import triton
 
@@ -503,8 +503,8 @@ def main(argv) -> None:
             row_peers = peers - {"flex"}
         results.append(run_row(mode, b, n, s, dt, row_peers, sweep, bw))
     os.makedirs(args.out, exist_ok=True)
-    doc = dict(versions=versions, copy_bandwidth_tbps=bw, copy_bandwidth_by_method=bw_all, argv=list(argv), shape=dict(hq=HQ, hkv=HKV, d=D, page_size=PAGE),
-               rows=results, seconds=time.time() - t0)
+    doc = dict(versions=versions, copy_bandwidth_tbps=bw, copy_bandwidth_by_method=bw_all, argv=list(argv),
+               shape=dict(hq=HQ, hkv=HKV, d=D, page_size=PAGE), rows=results, seconds=time.time() - t0)
     with open(os.path.join(args.out, f"kernels_{args.tag}.json"), "w") as f:
         json.dump(doc, f, indent=1)
     try:

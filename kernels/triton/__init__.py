@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from b12x_inductor.plan import HEAD_DIMS, MAX_VERIFY_LEN
+from b12x_inductor.plan import HEAD_DIMS
 
 FP8 = torch.float8_e4m3fn
 _Q_DTYPES = (torch.bfloat16, torch.float16)
@@ -80,7 +80,7 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def _launch(mode, shapes, t, *, plan, options, grid_only=False, warmup=False):
+def _launch(mode, shapes, t, *, plan, options, warmup=False):
     """Launches (or, with warmup, compiles) the kernels of one plan.
 
     shapes: dict of static sizes (batch, q_len, packed, hq, hkv, d, page_size) and strides (q, k, v, pt);
