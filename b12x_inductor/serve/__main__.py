@@ -32,9 +32,10 @@ def _buckets(text: str) -> tuple[int, ...]:
 # What --demo runs where no option says otherwise: (CPU, CUDA).
 _DEMO = {
     "cpu": dict(size="tiny", requests=16, prompt_lens=(8, 200), output_lens=(8, 40), max_batch=8, token_budget=128,
-                decode_buckets=(8,), num_draft=0, max_model_len=256),  # 2 buckets: a short cold compile
-    "cuda": dict(size="1b", requests=128, prompt_lens=(128, 1024), output_lens=(64, 256), max_batch=64,
-                 token_budget=2048, decode_buckets=None, num_draft=3, max_model_len=1536),
+                decode_buckets=(8,), extend_buckets=(128,), num_draft=0, max_model_len=256),  # 2 buckets
+    "cuda": dict(size="small", requests=128, prompt_lens=(128, 1024), output_lens=(64, 256), max_batch=64,
+                 token_budget=2048, decode_buckets=(16, 64), extend_buckets=(512, 2048), num_draft=3,
+                 max_model_len=1536),  # 6 buckets
 }
 
 
@@ -90,8 +91,9 @@ def build(args):
     config = ServeConfig(
         num_pages=args.num_pages or max_batch * pages_per_request, page_size=args.page_size, max_batch=max_batch,
         token_budget=pick("token_budget"), max_model_len=max_model_len, num_draft=pick("num_draft"),
-        eos_token_ids=eos, decode_buckets=pick("decode_buckets"), extend_buckets=args.extend_buckets,
-        compile=not args.no_compile)
+        eos_token_ids=eos, compile=not args.no_compile,  # the demo's buckets unless the sizes change:
+        decode_buckets=args.decode_buckets or (None if args.max_batch else demo["decode_buckets"]),
+        extend_buckets=args.extend_buckets or (None if args.token_budget else demo["extend_buckets"]))
     vocab = model.config.get_text_config().vocab_size
     requests = synthetic_requests(pick("requests"), prompt_lens=prompt_lens, output_lens=output_lens, vocab=vocab,
                                   rate=args.rate, seed=args.seed)
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     engine.warmup()
     warmup_s = time.perf_counter() - t
-    log(f"warm-up (compiling {len(engine.runner.buckets)} buckets): {warmup_s:.1f} s")
+    log(f"warm-up ({len(engine.runner.buckets)} buckets{', compiled' if c.compile else ', eager'}): {warmup_s:.1f} s")
     report = engine.serve(requests, progress=not args.no_progress)
     if args.json:
         print(json.dumps(dict(report.to_dict(), warmup_s=warmup_s, model=what, config=_config_dict(c)), indent=2))
