@@ -254,6 +254,15 @@ def test_right_padding_fails_with_a_clear_message():
         generate(model, "b12x", ids, mask, cache_implementation="static")
 
 
+def test_b12x_cache_overflow_and_batch_fail_with_a_clear_message():
+    model = make_model("llama")
+    ids, mask = prompts(2, seed=8)
+    with pytest.raises(ValueError, match=r"exceeds max_batch_size 1"):
+        generate(model, "b12x", ids, mask, **cache_kwarg(model, new_b12x_cache(model, 1)))
+    with pytest.raises(ValueError, match=r"exceed max_cache_len 16"):
+        generate(model, "b12x", ids, mask, **cache_kwarg(model, new_b12x_cache(model, 2, max_cache_len=16)))
+
+
 def test_sliding_window_model_fails_with_a_clear_message():
     model = make_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
     ids, mask = prompts(1, seed=6)

@@ -75,9 +75,18 @@ class B12xLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Writes key/value_states [B, Hkv, S, D] at positions cache_seqlens[:B] + arange(S), advances
-        cache_seqlens[:B] by S, and returns the pools. Positions past the capacity are dropped."""
+        cache_seqlens[:B] by S, and returns the pools. Eager calls check (layer 0, one host sync) that the
+        tokens fit max_cache_len; under compile, positions past the capacity are dropped (B12X_DEBUG=1
+        makes the attention check its lengths against the page table)."""
         b, h, s, d = key_states.shape
+        if b > self.max_batch_size:
+            raise ValueError(f"B12xCache: a batch of {b} requests exceeds max_batch_size {self.max_batch_size}")
         seqlens = self.cache_seqlens[:b]
+        if self.layer_idx == 0 and not torch.compiler.is_compiling():
+            longest = int(seqlens.max()) + s
+            if longest > self.max_cache_len:
+                raise ValueError(f"B12xCache: {longest} tokens exceed max_cache_len {self.max_cache_len}; build "
+                                 "the cache with a larger max_cache_len")
         pos = seqlens[:, None].long() + torch.arange(s, device=self.device)  # [B, S]
         page_idx = torch.div(pos, self.page_size, rounding_mode="floor")
         pages_per_req = self.page_table.shape[1]
