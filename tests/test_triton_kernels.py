@@ -171,6 +171,10 @@ def test_triton_plan_is_pure_and_sized():
     extend = select_plan(Problem(**{**base, "q_len": 64}))
     assert extend.mode == "extend" and extend.scratch_bytes == 0
     assert select_plan(Problem(**{**base, "device_type": "cpu", "sm_count": 0})).family == "torch"
+    # fail closed: GPUs the GPU tests have not passed on, and q dtypes the kernels do not take, run torch
+    assert select_plan(Problem(**{**base, "capability": (8, 0)})).family == "torch"
+    assert select_plan(Problem(**{**base, "q_dtype": torch.float32, "kv_dtype": torch.float32})).family == "torch"
+    assert select_plan(Problem(**{**base, "kv_dtype": torch.float8_e4m3fn})).family == "triton"
 
 
 # ----------------------------------------------------------------------------------------------------------
