@@ -73,7 +73,8 @@ class FakeRunner:
         for w in step.work:
             r = w.request
             seq = r.tokens[:w.start] + list(w.tokens)
-            assert list(w.tokens[:len(w.tokens) - w.num_draft]) == r.tokens[w.start:w.start + len(w.tokens) - w.num_draft]
+            real = len(w.tokens) - w.num_draft
+            assert list(w.tokens[:real]) == r.tokens[w.start:w.start + real]  # drafts only at the end
             for i in range(len(w.tokens)):
                 pos = w.start + i
                 self.slots[r.pages[pos // ps] * ps + pos % ps] = (r.id, pos, seq[pos])
