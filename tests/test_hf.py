@@ -181,6 +181,50 @@ def test_assisted_generation_checks_drafts_through_verify(cache, spy):
     assert verify and spy[0][1] == 20, spy  # draft checks, after an extend-plan prefill
 
 
+def _triton_interpreter_worker():
+    """Runs in a subprocess with TRITON_INTERPRET=1: the Triton family forced on CPU (fp32 products), so the
+    kernels see exactly the tensors the integration hands them (views, strides, offsets)."""
+    import json
+
+    import b12x_inductor.kernels as kernels
+    import b12x_inductor.plan as plan
+
+    plan._family = lambda problem: "triton"
+    seen, run_entry = set(), kernels.run_entry
+
+    def spying(mode, family, *args, **kwargs):
+        seen.add(f"{mode}:{family}")
+        return run_entry(mode, family, *args, **kwargs)
+
+    kernels.run_entry = spying
+    results = {}
+    model = make_model("llama", num_hidden_layers=1)
+    for cache, length in (("static", 20), ("b12x", 12)):  # an extend- and a verify-plan prefill, then decode
+        ids, mask = prompts(4, seed=3, length=length)
+        want = generate(model, "sdpa", ids, mask, cache_implementation="static", max_new_tokens=2)
+        kw = dict(cache_implementation="static") if cache == "static" else cache_kwarg(model, new_b12x_cache(model, 4))
+        results[f"{cache}-{length}"] = bool((generate(model, "b12x", ids, mask, max_new_tokens=2, **kw) == want).all())
+    print(json.dumps(dict(results=results, seen=sorted(seen))), flush=True)
+
+
+def test_triton_kernels_see_the_integration_tensors():
+    """The Triton kernels (interpreted on CPU) give SDPA's tokens through both caches, in every mode."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--triton-interpreter-worker"], env=env,
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"worker failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    report = json.loads(lines[-1])
+    assert all(report["results"].values()), report
+    assert {"decode:triton", "verify:triton", "extend:triton"} <= set(report["seen"]), report
+
+
 def _compile_config(backend="inductor"):
     config = CompileConfig(fullgraph=True, dynamic=False, backend=backend)
     config._compile_all_devices = True  # generate compiles on CUDA only, unless told
@@ -370,3 +414,7 @@ def test_bench_hf_arguments_and_table(tmp_path):
     table = bench.markdown(bench.merge(paths)).splitlines()
     assert table[2] == "| 1 | 512 | 544 / 4096 | 10.0 | 12.5 | 1.25x |", table
     assert table[3] == "| 32 | 512 | 544 / 4096 | 100.0 | 150.0 | 1.50x |", table
+
+
+if __name__ == "__main__" and "--triton-interpreter-worker" in __import__("sys").argv:
+    _triton_interpreter_worker()
