@@ -26,7 +26,8 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
-def _check_tensor(op: str, name: str, t: object, *, dtype=None, dim=None, shape=None, device=None) -> None:
+def _check_tensor(op: str, name: str, t: object, *, dtype=None, dim=None, shape=None, device=None,
+                  contiguous=False) -> None:
     if not isinstance(t, torch.Tensor):
         _fail(op, name, "a torch.Tensor", type(t).__name__, TypeError)
     if dtype is not None:
@@ -39,6 +40,8 @@ def _check_tensor(op: str, name: str, t: object, *, dtype=None, dim=None, shape=
         _fail(op, name, f"of shape {tuple(shape)}", f"shape {_shape(t)}")
     if device is not None and t.device != device:
         _fail(op, name, f"on {device} (q's device)", t.device)
+    if contiguous and not t.is_contiguous():  # kernels read these vectors with unit stride
+        _fail(op, name, "contiguous", f"strides {tuple(t.stride())}")
 
 
 def cache_geometry(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int]:
@@ -105,13 +108,13 @@ def check_paged_attention(
     batch, max_pages = page_table.shape
     if q.dim() == 4 and q.shape[0] != batch:
         _fail(op, "q", f"of batch {batch} (page_table's rows)", f"shape {_shape(q)}")
-    _check_tensor(op, "cache_seqlens", cache_seqlens, dtype=torch.int32, shape=(batch,), device=device)
+    _check_tensor(op, "cache_seqlens", cache_seqlens, dtype=torch.int32, shape=(batch,), device=device, contiguous=True)
     if cu_seqlens_q is not None:
-        _check_tensor(op, "cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, shape=(batch + 1,), device=device)
+        _check_tensor(op, "cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, shape=(batch + 1,), device=device, contiguous=True)
     if kv_start is not None:
-        _check_tensor(op, "kv_start", kv_start, dtype=torch.int32, shape=(batch,), device=device)
+        _check_tensor(op, "kv_start", kv_start, dtype=torch.int32, shape=(batch,), device=device, contiguous=True)
     if sinks is not None:
-        _check_tensor(op, "sinks", sinks, dtype=torch.float32, shape=(hq,), device=device)
+        _check_tensor(op, "sinks", sinks, dtype=torch.float32, shape=(hq,), device=device, contiguous=True)
     for name, ds in (("k_descale", k_descale), ("v_descale", v_descale)):
         if ds is None:
             continue

@@ -169,3 +169,14 @@ def test_write_kv_slot_checked_under_debug(debug):
 
 def test_debug_is_off_by_default():
     assert os.environ.get("B12X_DEBUG", "0") in ("", "0")
+
+
+@pytest.mark.parametrize("name", ["cache_seqlens", "kv_start", "sinks"])
+def test_strided_vectors_are_rejected(name):
+    args, opts = _base()
+    vec = {"cache_seqlens": args["cache_seqlens"], "kv_start": torch.zeros(2, dtype=torch.int32),
+           "sinks": torch.randn(4)}[name]
+    strided = torch.stack([vec, vec], dim=1)[:, 0]  # a view with stride 2
+    (args if name in args else opts)[name] = strided
+    _raises(b12x.paged_attention, ValueError, f"^paged_attention: {name} must be contiguous; got strides \\(2,\\)",
+            **args, **opts)
