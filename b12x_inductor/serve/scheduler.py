@@ -139,7 +139,10 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(r)
-            budget -= self._take(r, n, work)
+            taken = self._take(r, n, work)  # pages are already there: it takes n
+            if not taken:
+                break
+            budget -= taken
         if not work:
             return None
         if any(not w.request.decoding or len(w.tokens) > 1 for w in work):
