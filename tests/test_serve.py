@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import warnings
 
 import pytest
 import torch
@@ -278,8 +279,9 @@ def test_cli_demo_json(capsys):
 
 @pytest.mark.gpu
 def test_gpu_cuda_graphs_bf16():
-    """On CUDA in bf16, with CUDA graphs: no cudagraph skip, nothing recompiles while serving, and every served
-    token is transformers' (SDPA) greedy choice up to bf16 near-ties, checked by teacher forcing."""
+    """On CUDA in bf16, with CUDA graphs: no cudagraph skip, nothing recompiles while serving, at most one
+    synchronizing call per step, and every served token is transformers' (SDPA) greedy choice up to bf16
+    near-ties, checked by teacher forcing."""
     from torch._dynamo.utils import counters
 
     model = _tiny_llama().to("cuda", torch.bfloat16)
@@ -291,7 +293,15 @@ def test_gpu_cuda_graphs_bf16():
     engine.warmup()
     graphs = counters["stats"]["unique_graphs"]
     requests = _requests(rate=50.0)
-    report = engine.serve(requests)
+    torch.cuda.set_sync_debug_mode("warn")  # one host read per step: the sampled tokens
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = engine.serve(requests)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert 0 < len(syncs) <= report.steps, [str(w.message) for w in syncs[:3]]
     assert counters["stats"]["unique_graphs"] == graphs == len(engine.runner.buckets)
     assert not counters["graph_break"] and not counters["inductor"]["cudagraph_skips"]
     assert engine.pages.num_free == engine.config.num_pages and report.draft_acceptance > 0
