@@ -36,8 +36,9 @@ def random_model(config, *, dtype=None, device="cpu", seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
-    return model.to(device).eval()
+    with torch.device(device):  # initialise in place: a 1B model on a GPU in a second, not on the CPU
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    return model.eval()
 
 
 def synthetic_requests(num: int, *, prompt_lens: tuple[int, int], output_lens: tuple[int, int], vocab: int,
