@@ -17,6 +17,15 @@ from b12x_inductor.serve.pages import PageAllocator
 from b12x_inductor.serve.scheduler import Scheduler
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models run no faster on more threads, and far slower when the cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # -- page allocator ---------------------------------------------------------------------------------------------
 def test_page_allocator():
     a = PageAllocator(5, 4)

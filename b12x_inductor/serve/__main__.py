@@ -61,6 +61,8 @@ def parse_args(argv):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, help="default: enough for max_batch requests of max_model_len")
     p.add_argument("--num-draft", type=int, help="prompt-lookup draft tokens per step (0: no speculation)")
+    p.add_argument("--threads", type=int, help="CPU threads (default on CPU: 1; small models gain nothing from "
+                   "more and lose much when the cores are shared)")
     p.add_argument("--no-compile", action="store_true", help="run eagerly (debugging)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -70,6 +72,8 @@ def parse_args(argv):
 def build(args):
     """(engine, requests, description) from parsed arguments."""
     device = torch.device(args.device)
+    if args.threads or device.type == "cpu":
+        torch.set_num_threads(args.threads or 1)
     demo = _DEMO["cuda" if device.type == "cuda" else "cpu"]
     pick = lambda name: demo[name] if getattr(args, name) is None else getattr(args, name)  # noqa: E731
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
