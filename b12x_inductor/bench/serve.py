@@ -131,7 +131,7 @@ def run_static(model, requests, batch: int, device, max_cache_len: int) -> dict:
     elapsed = time.perf_counter() - start
     del cache
     return _summary("static", outputs, ttft, tpot, elapsed, warmup_s,
-                    f"generate, StaticCache {max_cache_len}, SDPA, compiled decode, batches of {batch}")
+                    f"generate, StaticCache {max_cache_len}, SDPA, generate's auto-compile, batches of {batch}")
 
 
 def run_generate_batch(model, requests, device) -> dict:
