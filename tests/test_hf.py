@@ -207,6 +207,7 @@ def _triton_interpreter_worker():
     print(json.dumps(dict(results=results, seen=sorted(seen))), flush=True)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter check for CPU machines; the GPU tests run the kernels")
 def test_triton_kernels_see_the_integration_tensors():
     """The Triton kernels (interpreted on CPU) give SDPA's tokens through both caches, in every mode."""
     import json
@@ -317,8 +318,8 @@ def test_sliding_window_model_fails_with_a_clear_message():
 def assert_greedy_equal(model, ids, mask, want, got, name, ulps=4):
     """Greedy tokens `got` equal SDPA's `want`, except where SDPA's own top-2 logit margin at the first
     differing position of a row is within `ulps` units of rounding of the model dtype at the top logit
-    (bf16 rounding can flip such a near-tie) and `got` took SDPA's second choice; the rest of such a row
-    is not compared."""
+    (bf16 rounding can flip such a near-tie; SDPA's compiled generate and its eager recompute may disagree
+    too) and the two tokens are those top two, in either order; the rest of such a row is not compared."""
     model.set_attn_implementation("sdpa")
     for row in range(want.shape[0]):
         diff = (got[row] != want[row]).nonzero()
@@ -332,7 +333,7 @@ def assert_greedy_equal(model, ids, mask, want, got, name, ulps=4):
         top = logits[0, -1].float().topk(2)
         margin = float(top.values[0] - top.values[1])
         tie = ulps * torch.finfo(model.dtype).eps * abs(float(top.values[0]))
-        assert int(got[row, pos]) == int(top.indices[1]) and margin <= tie, (
+        assert {int(got[row, pos]), int(want[row, pos])} == set(top.indices.tolist()) and margin <= tie, (
             f"{name}: row {row} differs from SDPA at position {pos}: got {int(got[row, pos])}, SDPA "
             f"{int(want[row, pos])} (SDPA top-2 {top.indices.tolist()}, margin {margin:.4f} > near-tie {tie:.4f})")
 

@@ -516,5 +516,7 @@ def test_cuda_forms(fresh_compile, backend):
     decisions = substitution.last_decisions()
     if backend == "MATH":  # reported as the math form, or rebuilt into SDPA by Inductor's fusion and proven
         assert decisions, "the math form was neither reported nor substituted"
+    elif backend == "CUDNN_ATTENTION" and not decisions[0].substituted:  # torch 2.11 hands cuDNN a finite-min
+        assert "values other than 0 and -inf" in decisions[0].reason, decisions  # bias: refused, stays exact
     else:
         assert [d.substituted for d in decisions] == [True], decisions
