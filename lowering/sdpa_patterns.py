@@ -2,8 +2,9 @@
 
 By the post-grad passes, `F.scaled_dot_product_attention` has become the backend op its dispatcher chose:
 - CPU:  aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, *, attn_mask, scale)
-- CUDA: aten._scaled_dot_product_flash_attention (no mask), _efficient_attention and _cudnn_attention
-  (attn_bias: a bool mask arrives converted to an additive 0 / -inf float tensor), or the math decomposition
+- CUDA: aten._scaled_dot_product_flash_attention (no mask), _efficient_attention (attn_bias: a bool mask
+  arrives converted to an additive 0 / -inf tensor), _cudnn_attention (a bool mask arrives as
+  `where(logical_not(mask), -65504.0, 0)`: see `cudnn_bool_mask`), or the math decomposition
   (matmuls and a softmax that zeroes fully masked rows: reported by `is_math_form`, never rewritten).
 Each returns a tuple whose item 0 is the attention output [B, Hq, S, D]; the others (logsumexp, RNG state)
 must be unused, as in inference graphs.
@@ -80,6 +81,47 @@ def is_math_form(node: fx.Node) -> bool:
         return False
     eq = inner.args[0]
     return _target(eq) is aten.eq.Scalar and eq.args[1] == float("-inf")
+
+
+# ATen's convert_boolean_attn_mask_cudnn (aten/src/ATen/native/transformers/attention.cpp, torch 2.11):
+#   at::where(attn_mask->logical_not(), -65504.0, at::scalar_tensor(0.0, dtype))   -- finite, not -inf
+CUDNN_MASK_FILL = -65504.0
+
+
+def _scalar_constant(node, dtype: torch.dtype) -> float | None:
+    """The value, in dtype, of a 0-dim constant tensor (scalar_tensor / full([]) of dtype) or number."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        value = node
+    elif _target(node) is aten.scalar_tensor.default and node.meta["val"].dtype == dtype:
+        value = node.args[0]
+    elif _target(node) is aten.full.default and list(node.args[0]) == [] and node.meta["val"].dtype == dtype:
+        value = node.args[1]
+    else:
+        return None
+    return float(torch.tensor(value, dtype=dtype)) if isinstance(value, (int, float)) else None
+
+
+def cudnn_bool_mask(bias) -> fx.Node | None:
+    """The bool mask M where bias is ATen's cuDNN conversion of it, else None. Post-grad (dtype = bias's,
+    NEG = -65504.0 rounded to dtype: joint-graph constant folding writes full([], -65536.0) for bf16):
+        where.self(logical_not(M), NEG, 0)   or   where.self(M, 0, NEG)
+    (under expands, which only broadcast: M broadcasts the same way)."""
+    bias = skip_noops(bias)
+    while _target(bias) is aten.expand.default:
+        bias = skip_noops(bias.args[0])
+    if _target(bias) not in (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar):
+        return None
+    dtype = bias.meta["val"].dtype
+    cond, x, y = bias.args[:3]
+    neg = float(torch.tensor(CUDNN_MASK_FILL, dtype=dtype))
+    values = (_scalar_constant(x, dtype), _scalar_constant(y, dtype))
+    if _target(cond) is aten.logical_not.default and values == (neg, 0.0):
+        cond = cond.args[0]
+    elif values != (0.0, neg):
+        return None
+    if not isinstance(cond, fx.Node) or cond.meta["val"].dtype != torch.bool:
+        return None
+    return cond
 
 
 def _target(node) -> object:

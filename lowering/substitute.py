@@ -19,6 +19,8 @@ cache_seqlens / causal, by case:
   Several queries (S > 1) at runtime positions qualify only where the keys are written at the last
   position (`index_put` into the buffer, as the static-cache idiom does): the op's bottom-right alignment
   equals the mask while that position is < L, which a successful write proves.
+The cuDNN form receives a bool mask as ATen's finite conversion `where(~mask, -65504.0, 0)`
+(`sdpa_patterns.cudnn_bool_mask`); the bool mask is proven instead, under `_finite_bias`'s conditions.
 Everything else is left alone, with the reason recorded. Rows that see no key at all (negative positions)
 give zeros in the op, as in SDPA's CPU and math paths with a -inf mask.
 """
@@ -36,7 +38,7 @@ from b12x_inductor.plan import HEAD_DIMS
 
 from . import _inductor
 from .mask_proof import Unprovable, position_forms, prove_causal
-from .sdpa_patterns import SdpaCall, is_math_form, match, skip_noops, unrepeat_kv
+from .sdpa_patterns import CUDNN_MASK_FILL, SdpaCall, cudnn_bool_mask, is_math_form, match, skip_noops, unrepeat_kv
 
 log = logging.getLogger("b12x_inductor.substitute")
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -64,6 +66,7 @@ class _Replacement:
     summary: str
     window_left: int = -1
     kv_start_shift: int | None = None  # kv_start = clamp(T + 1 - shift, 0, L): a window at a runtime position
+    empty_sees_all: bool = False  # cache_seqlens = L where T + 1 <= 0 (cuDNN's finite bias; see _finite_bias)
 
 
 def _val(node) -> torch.Tensor | None:
@@ -126,8 +129,12 @@ def decide(call: SdpaCall, gm: fx.GraphModule | None = None) -> _Replacement | s
         return "both a mask and is_causal"
     if not isinstance(call.mask, fx.Node):
         return "the mask is not a tensor of the graph"
+    bool_mask = cudnn_bool_mask(call.mask) \
+        if call.node.target is aten._scaled_dot_product_cudnn_attention.default else None
+    finite = bool_mask is not None
+    mask = bool_mask if finite else call.mask
     try:
-        proof = prove_causal(call.mask, batch=b, heads=hq, q_len=s, kv_len=length, graph_module=gm)
+        proof = prove_causal(mask, batch=b, heads=hq, q_len=s, kv_len=length, graph_module=gm)
     except Unprovable as e:
         return f"mask not proven causal: {e}"
     except Exception as e:  # anything unexpected in the analysis: leave the call alone
@@ -135,6 +142,11 @@ def decide(call: SdpaCall, gm: fx.GraphModule | None = None) -> _Replacement | s
     if not proof.causal:
         return _Replacement(k=k, v=v, causal=False, seqlens=("const", length),
                             summary=f"{geometry}, the mask hides nothing, cache_seqlens = L")
+    if finite:
+        refused = _finite_bias(proof, s)
+        if refused:
+            return refused
+        geometry += f", cuDNN's bool-mask bias ({CUDNN_MASK_FILL}) proven causal"
     window = f", window_left={proof.window_left}" if proof.window_left >= 0 else ""
     if proof.leaf is None:
         n = min(max(proof.offset, 0), length)
@@ -156,8 +168,34 @@ def decide(call: SdpaCall, gm: fx.GraphModule | None = None) -> _Replacement | s
                             seqlens=("leaf", proof.leaf, proof.index, proof.stride, proof.offset))
     if proof.window_left >= 0:  # as kv_start, exact also where the position is past the keys
         summary += f", kv_start = clamp({where} - {proof.window_left + 1}, 0, {length})"
+    if finite:
+        summary += " (L where that is <= 0: no key visible, the finite bias shifts every logit alike)"
     return _Replacement(k=k, v=v, causal=True, kv_start_shift=proof.window_left + 1 if window else None,
-                        seqlens=("leaf", proof.leaf, proof.index, proof.stride, proof.offset), summary=summary)
+                        seqlens=("leaf", proof.leaf, proof.index, proof.stride, proof.offset), summary=summary,
+                        empty_sees_all=finite)
+
+
+def _finite_bias(proof, s: int) -> str | None:
+    """Why a proven mask converted for cuDNN (hidden keys get -65504, not -inf) is refused, or None.
+
+    A row that sees some key: the hidden logits sit 65504 - (spread of the scaled logits) below its
+    maximum, so for any spread under ~65000 their exp underflows to exactly 0 in fp32, as with -inf.
+    A row that sees no key: every logit moves by the same constant and the softmax is over all keys (not
+    zeros). Constant positions: every row must see a key. Runtime positions: one query without a window,
+    whose row sees no key exactly where T + 1 <= 0, there given cache_seqlens = L (every key, as cuDNN
+    computes); anything else is refused."""
+    if not proof.causal:
+        return None
+    if proof.leaf is None:
+        if proof.offset < s:
+            return (f"cuDNN's bool-mask bias is finite ({CUDNN_MASK_FILL}): a query row sees no key (last "
+                    f"position + 1 = {proof.offset} < {s} queries), where it would attend to every key")
+        return None
+    if s > 1 or proof.window_left >= 0:
+        return (f"cuDNN's bool-mask bias is finite ({CUDNN_MASK_FILL}): with runtime positions and "
+                f"{'a window' if proof.window_left >= 0 else f'{s} queries'}, the pass cannot prove every query "
+                f"row sees some key")
+    return None
 
 
 def _written_last_position(k: fx.Node, proof, batch: int, gm) -> bool:
@@ -208,13 +246,16 @@ def _lengths(add: _Builder, rep: _Replacement, batch: int, length: int, device) 
     else:
         pos = add(aten.slice.Tensor, flat, 0, index, index + stride * (batch - 1) + 1, stride)
 
-    def clamped(shift: int) -> fx.Node:  # clamp(pos + shift, 0, L) as contiguous int32
+    def clamped(shift: int, empty_sees_all: bool = False) -> fx.Node:  # clamp(pos + shift, 0, L), int32
         x = add(aten.clamp_max.default, add(aten.clamp_min.default, add(aten.add.Tensor, pos, shift), 0), length)
+        if empty_sees_all:  # x + L * (x <= 0): L where pos + shift <= 0
+            empty = add(prims.convert_element_type.default, add(aten.le.Scalar, x, 0), x.meta["val"].dtype)
+            x = add(aten.add.Tensor, x, add(aten.mul.Tensor, empty, length))
         return add(aten.clone.default, add(prims.convert_element_type.default, x, torch.int32),
                    memory_format=torch.contiguous_format)
 
     kv_start = None if rep.kv_start_shift is None else clamped(offset - rep.kv_start_shift)
-    return clamped(offset), kv_start
+    return clamped(offset, rep.empty_sees_all), kv_start
 
 
 def _apply(call: SdpaCall, rep: _Replacement) -> None:

@@ -275,6 +275,99 @@ def test_fp32_on_cuda_is_left_alone():
         assert decision.substituted == substituted and reason in decision.reason, decision
 
 
+# ---- the cuDNN form: a bool mask arrives as ATen's finite conversion where(~mask, -65504.0, 0) ----
+
+def _cudnn(q, k, v, bias):
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, False, 0.0, False, False)[0]
+
+
+def _converted(mask, dtype, folded=False):
+    """What convert_boolean_attn_mask_cudnn makes of a bool mask: as traced, or as the post-grad graph
+    holds it after constant folding (full([], -65504 rounded to dtype))."""
+    if folded:
+        neg = torch.full([], -65504.0, dtype=dtype, device=mask.device)
+        return torch.where(mask.logical_not(), neg, torch.full([], 0.0, dtype=dtype, device=mask.device))
+    zero = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
+    return torch.ops.aten.where.ScalarSelf(mask.logical_not(), -65504.0, zero)
+
+
+def _position_mask(q, p):
+    return torch.arange(L, device=q.device).view(1, 1, 1, L) <= p.view(1, 1, -1, 1)
+
+
+@pytest.mark.parametrize("folded", [False, True])
+def test_cudnn_bool_mask_bias_is_substituted(folded):
+    """Rows that see a key: the finite bias hides exactly like -inf. A position < 0 (no key visible): the
+    bias shifts every logit alike, so cuDNN attends to every key, and so does the substitute."""
+    fn = lambda q, k, v, p: _cudnn(q, k, v, _converted(_position_mask(q, p), q.dtype, folded))  # noqa: E731
+    args = (_rand(B, HQ, 1, D), _rand(B, HQ, L, D), _rand(B, HQ, L, D))
+    (decision,), _, new = _rewrite(fn, *args, torch.tensor([5]))
+    assert decision.substituted and "cuDNN's bool-mask bias" in decision.reason, decision
+    for pos in (0, 7, L - 1, L + 3, -1, -4):
+        p = torch.tensor([pos])
+        bias = _converted(_position_mask(args[0], p), torch.float32, folded)
+        want = F.scaled_dot_product_attention(*args, attn_mask=bias)  # what the finite bias computes
+        tol = 2e-5 if pos >= 0 else 1e-2  # s - 65504 in fp32 rounds s to 1/256 where every key is hidden
+        torch.testing.assert_close(new(*args, p), want, atol=tol, rtol=tol)
+        if pos < 0:
+            torch.testing.assert_close(new(*args, p), F.scaled_dot_product_attention(*args), atol=2e-5, rtol=1e-5)
+
+
+def test_cudnn_form_compiled(fresh_compile):
+    """Through Inductor's own post-grad graph (constant folding writes the bf16 bias as full([], -65536.0)):
+    the cuDNN op, which has no CPU kernel, is gone, and the result is the bool mask's."""
+    fn = lambda q, k, v, p: _cudnn(q, k, v, _converted(_position_mask(q, p), q.dtype))  # noqa: E731
+    args = [_rand(B, HQ, 1, D, dtype=torch.bfloat16)] + [_rand(B, HQ, L, D, dtype=torch.bfloat16) for _ in range(2)]
+    with substitution.substituting():
+        compiled = torch.compile(fn, fullgraph=True)
+        for i, pos in enumerate((5, 0, L - 1, -2)):
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                got = compiled(*args, torch.tensor([pos]))
+            mask = _position_mask(args[0], torch.tensor([pos])) if pos >= 0 else None  # -2: every key, as cuDNN
+            want = F.scaled_dot_product_attention(*(a.float() for a in args), attn_mask=mask)
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    assert [d.substituted for d in substitution.last_decisions()] == [True]
+
+
+def _cuda_decision(fn, s=1, form=_cudnn):
+    """The decision on fn(q, k, v, p) traced with fake bf16 CUDA tensors (no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(B, HQ, s, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.empty(B, HQ, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        gm = make_fx(lambda q, k, v, p: form(q, k, v, fn(q, p)), tracing_mode="fake")(
+            q, k, v, torch.zeros(1, dtype=torch.long, device="cuda"))
+    (decision,) = rewrite_graph(gm)
+    return decision
+
+
+@pytest.mark.parametrize("case", ["conversion", "folded", "user_finfo_min", "other_constant", "not_causal",
+                                  "runtime_queries", "empty_row", "efficient_form"])
+def test_cudnn_forms_on_fake_cuda(case):
+    dt = torch.bfloat16
+    masks = {  # (mask builder of (q, p), queries, form, substituted, reason)
+        "conversion": (lambda q, p: _converted(_position_mask(q, p), dt), 1, _cudnn, True, "bool-mask bias"),
+        "folded": (lambda q, p: _converted(_position_mask(q, p), dt, True), 1, _cudnn, True, "bool-mask bias"),
+        "user_finfo_min": (lambda q, p: torch.zeros(1, 1, 1, L, dtype=dt, device=q.device).masked_fill(
+            _position_mask(q, p).logical_not(), torch.finfo(dt).min), 1, _cudnn, False, "other than 0 and -inf"),
+        "other_constant": (lambda q, p: torch.where(_position_mask(q, p).logical_not(), -1e4, torch.scalar_tensor(
+            0.0, dtype=dt, device=q.device)), 1, _cudnn, False, "other than 0 and -inf"),
+        "not_causal": (lambda q, p: _converted(_position_mask(q, p).logical_not(), dt), 1, _cudnn, False,
+                       "mask not proven causal"),
+        "runtime_queries": (lambda q, p: _converted(_position_mask(q, p + torch.arange(4, device=q.device)), dt),
+                            4, _cudnn, False, "every query row sees some key"),
+        "empty_row": (lambda q, p: _converted(torch.ones(4, L, dtype=torch.bool, device=q.device).tril(-1), dt),
+                      4, _cudnn, False, "a query row sees no key"),
+        "efficient_form": (lambda q, p: _converted(_position_mask(q, p), dt), 1,
+                           lambda q, k, v, b: torch.ops.aten._scaled_dot_product_efficient_attention(
+                               q, k, v, b, False)[0], False, "other than 0 and -inf"),
+    }
+    fn, s, form, substituted, reason = masks[case]
+    decision = _cuda_decision(fn, s, form)
+    assert decision.substituted == substituted and reason in decision.reason, decision
+
+
 def test_switch_enters_the_cache_key():
     assert substitution.last_decisions is b12x_inductor.last_decisions
     with substitution.substituting(True):
@@ -516,7 +609,5 @@ def test_cuda_forms(fresh_compile, backend):
     decisions = substitution.last_decisions()
     if backend == "MATH":  # reported as the math form, or rebuilt into SDPA by Inductor's fusion and proven
         assert decisions, "the math form was neither reported nor substituted"
-    elif backend == "CUDNN_ATTENTION" and not decisions[0].substituted:  # torch 2.11 hands cuDNN a finite-min
-        assert "values other than 0 and -inf" in decisions[0].reason, decisions  # bias: refused, stays exact
-    else:
+    else:  # cuDNN: the bool mask arrives as ATen's finite conversion (torch 2.11), proven all the same
         assert [d.substituted for d in decisions] == [True], decisions
