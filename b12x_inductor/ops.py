@@ -17,7 +17,7 @@ import functools
 import torch
 
 from b12x_inductor import validate
-from b12x_inductor.plan import MODES, Plan, Problem, select_plan
+from b12x_inductor.plan import MODES, Plan, select_plan
 
 _lib = torch.library.Library("b12x", "DEF")
 
@@ -46,12 +46,14 @@ _lib.define(
 plan_for = functools.lru_cache(maxsize=1024)(select_plan)
 
 
-def _options(q, kv_layout, causal, scale, window_left, softcap) -> dict:
-    scale = float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+def entry_options(head_dim: int, *, kv_layout, causal, scale, window_left, softcap) -> dict:
+    """The call's options as the entry ops take them, with scale defaulted to head_dim ** -0.5 (the eager op,
+    the lowering and `warmup` all build them here)."""
+    scale = float(head_dim) ** -0.5 if scale is None else float(scale)
     return dict(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=float(softcap))
 
 
-def _run_plan(plan: Plan, problem: Problem, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
+def _run_plan(plan: Plan, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
               kv_start, sinks, k_descale, v_descale, out, options: dict) -> torch.Tensor:
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=q.device)
@@ -69,9 +71,10 @@ def _eager(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *,
         k_descale=k_descale, v_descale=v_descale, out=out)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = _run_plan(plan_for(problem), problem, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
+    lse = _run_plan(plan_for(problem), q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
                     kv_start, sinks, k_descale, v_descale, out,
-                    _options(q, kv_layout, causal, scale, window_left, softcap))
+                    entry_options(q.shape[-1], kv_layout=kv_layout, causal=causal, scale=scale,
+                                  window_left=window_left, softcap=softcap))
     return out, lse
 
 

@@ -22,7 +22,7 @@ import torch
 
 from b12x_inductor.plan import Problem, device_facts
 from b12x_inductor.kernels import precompile
-from b12x_inductor.ops import plan_for
+from b12x_inductor.ops import entry_options, plan_for
 
 from . import _inductor
 
@@ -54,8 +54,8 @@ def _lower(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *,
         out = _inductor.empty(q_size, q.get_dtype(), device)
     lse = _inductor.empty(q_size[:-1], torch.float32, device)
     scratch = _inductor.empty([plan.scratch_bytes], torch.uint8, device)
-    scale = problem.head_dim**-0.5 if scale is None else float(scale)
-    options = dict(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=float(softcap))
+    options = entry_options(problem.head_dim, kv_layout=kv_layout, causal=causal, scale=scale,
+                            window_left=window_left, softcap=softcap)
     precompile(problem, plan, options)  # no JIT compile later, inside a CUDA-graph capture
     _inductor.call_fallback(
         plan.entry_op, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale,
