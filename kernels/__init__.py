@@ -23,8 +23,12 @@ def run_entry(mode: str, family: str, tensors: dict, *, out, lse, scratch, optio
         from b12x_inductor.kernels import triton as triton_kernels
 
         triton_kernels.run(mode, tensors, out=out, lse=lse, scratch=scratch, options=options, plan=plan)
+    elif family == "cute":
+        from b12x_inductor.kernels import cute as cute_kernels
+
+        cute_kernels.run(mode, tensors, out=out, lse=lse, scratch=scratch, options=options, plan=plan)
     else:
-        raise ValueError(f"paged_attention: plan family must be 'torch' or 'triton'; got {family!r}")
+        raise ValueError(f"paged_attention: plan family must be 'torch', 'triton' or 'cute'; got {family!r}")
 
 
 def precompile(problem, plan, options: dict) -> None:
@@ -34,3 +38,7 @@ def precompile(problem, plan, options: dict) -> None:
         from b12x_inductor.kernels import triton as triton_kernels
 
         triton_kernels.precompile(problem, plan, options)
+    elif plan.family == "cute":
+        from b12x_inductor.kernels import cute as cute_kernels
+
+        cute_kernels.precompile(problem, plan, options)

@@ -1,1 +1,225 @@
-"""The CuTe DSL kernel family (Hopper). Not built yet: plans never choose it."""
+"""The CuTe DSL kernel family (Hopper): decode and verify (decode.py); extend stays with Triton.
+
+Optional: it needs nvidia-cutlass-dsl (`pip install b12x-inductor[cute]`); without it `available()` is False
+and every plan runs on Triton. `run` launches the split kernel on torch's current stream (a CuTe launch
+without an explicit stream is silently left out of a CUDA-graph capture) and then the Triton merge kernel,
+which combines the splits with the sink into `out` and `lse`; it writes only out, lse and the plan's
+scratch, allocates nothing and never syncs. `precompile` compiles the kernel for a plan ahead (in memory,
+and in the DSL's own file cache on disk), so no compile ever happens inside a capture.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from b12x_inductor.plan import MAX_VERIFY_LEN
+
+FP8 = torch.float8_e4m3fn
+HEAD_DIMS = (64, 128, 256)
+MAX_ROWS = 16  # query rows (S x Hq / Hkv) per CTA: the per-thread accumulators are rows x 2-4 fp32
+KEYS_PER_THREAD = 2  # score phase: keys per thread (each q read serves both)
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
+
+# Compute capabilities the GPU tests (tests/test_cute_kernels.py -m gpu) have passed on.
+VERIFIED_CAPABILITIES = frozenset({(9, 0)})
+
+
+@functools.cache
+def available() -> bool:
+    """Whether nvidia-cutlass-dsl imports (checked once per process)."""
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def supports(problem) -> bool:
+    """Whether this family expresses the problem: decode/verify on CUDA of a verified capability, bf16/fp16 q,
+    the cache in q's dtype or float8_e4m3fn, head dims 64/128/256, at most 16 query rows per KV head, NHD or
+    HND, any page size. (Installed or not: `available()` says that.)"""
+    if problem.device_type != "cuda" or problem.capability not in VERIFIED_CAPABILITIES:
+        return False
+    if problem.packed or problem.q_len > MAX_VERIFY_LEN:
+        return False
+    if problem.q_dtype not in (torch.bfloat16, torch.float16) or problem.kv_dtype not in (problem.q_dtype, FP8):
+        return False
+    return (problem.head_dim in HEAD_DIMS and problem.q_len * problem.group <= MAX_ROWS
+            and problem.kv_layout in ("NHD", "HND") and problem.page_size >= 1)
+
+
+def fits(problem, *, block_n: int, num_stages: int, num_warps: int) -> bool:
+    """Whether a tile configuration fits the split kernel for this problem (threads, shared memory)."""
+    return geometry(d=problem.head_dim, rows=problem.q_len * problem.group, kv_bits=8 * problem.kv_dtype.itemsize,
+                    tile_n=block_n, stages=num_stages, num_warps=num_warps) is not None
+
+
+def geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, num_warps: int) -> dict | None:
+    """The split kernel's thread geometry (decode.py), or None where the configuration does not fit.
+
+    Score phase: thread t takes keys t % (tile_n / 2) and + tile_n / 2, and head-dim part t // (tile_n / 2)
+    of `parts`. P V phase: thread t owns `cpt` adjacent columns (one 32-bit read of V) of column group
+    t % col_groups, for keys t // col_groups + key_parts * i."""
+    threads = 32 * num_warps
+    vec = 128 // kv_bits  # elements per 16-byte chunk
+    chunks = d // vec
+    parts = threads // (tile_n // KEYS_PER_THREAD)
+    cpt = 32 // kv_bits
+    col_groups = d // cpt
+    if d % vec or parts < 1 or chunks % parts or threads % col_groups or (tile_n * chunks) % threads:
+        return None
+    key_parts = threads // col_groups
+    if tile_n % key_parts or tile_n % 32:
+        return None
+    tile_bytes = tile_n * d * kv_bits // 8
+    ring_bytes = max(2 * stages * tile_bytes, 4 * key_parts * rows * d)  # later: P V partial sums
+    smem_bytes = (ring_bytes + 4 * rows * d + 4 * parts * rows * tile_n + 4 * tile_n * rows + 4 * 3 * rows + 256)
+    if smem_bytes > SMEM_LIMIT:
+        return None
+    return dict(d=d, rows=rows, tile_n=tile_n, stages=stages, warps=num_warps, threads=threads, vec=vec,
+                chunks=chunks, swizzle=min(chunks, 8) - 1, parts=parts, cpt=cpt, col_groups=col_groups,
+                key_parts=key_parts, rows_per_warp=-(-rows // num_warps), tile_bytes=tile_bytes,
+                ring_bytes=ring_bytes, smem_bytes=smem_bytes)
+
+
+def _cutlass_dtype(dtype):
+    import cutlass
+
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, FP8: cutlass.Float8E4M3FN,
+            torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}[dtype]
+
+
+@functools.cache
+def _compiled(key):
+    """The compiled split kernel for one key (d, s, g, hkv, page, num_splits, block_n, stages, warps,
+    q dtype, kv dtype, causal, use_window, use_softcap); cute.compile also keeps it in the DSL's file cache."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    from .decode import SplitKernel
+
+    d, s, g, hkv, page, splits, tile_n, stages, warps, q_dtype, kv_dtype, causal, use_window, use_softcap = key
+    qt, kvt = _cutlass_dtype(q_dtype), _cutlass_dtype(kv_dtype)
+    kernel = SplitKernel(d=d, s=s, g=g, hkv=hkv, page=page, num_splits=splits, tile_n=tile_n, stages=stages,
+                         num_warps=warps, q_dtype=qt, kv_dtype=kvt, causal=causal, use_window=use_window,
+                         use_softcap=use_softcap)
+    gmem = cute.AddressSpace.gmem
+
+    def ptr(dt, align=4):
+        return make_ptr(dt, 1 << 20, gmem, assumed_align=align)
+
+    args = [ptr(qt, q_dtype.itemsize), ptr(kvt, 16), ptr(kvt, 16), ptr(Int32), ptr(Int32), ptr(Int32), ptr(Float32), ptr(Float32),
+            ptr(Float32), ptr(Float32), Int32(1), *[Int64(1)] * 10, *[Int32(0)] * 7, Int32(-1), Float32(1.0),
+            Float32(1.0), make_fake_stream()]
+    return cute.compile(kernel, *args)
+
+
+def _key(shapes, plan: dict, options: dict) -> tuple:
+    softcap = float(options["softcap"])
+    return (shapes["d"], shapes["q_len"], shapes["hq"] // shapes["hkv"], shapes["hkv"], shapes["page_size"],
+            plan["num_splits"], plan["block_n"], plan["num_stages"], plan["num_warps"], shapes["q_dtype"], shapes["kv_dtype"],
+            bool(options["causal"]) and shapes["q_len"] > 1, int(options["window_left"]) >= 0, softcap > 0)
+
+
+def _check_aligned(name: str, t: torch.Tensor, elems: int) -> None:
+    """16-byte cp.async chunks: rows must start on 16 bytes (pointer and every stride but the last)."""
+    step = 16 // t.element_size()
+    if t.data_ptr() % 16 or t.stride(-1) != 1 or any(st % step for st in t.stride()[:-1]) or elems % step:
+        raise ValueError(f"paged_attention: the CuTe family needs {name} with 16-byte aligned rows (data_ptr and "
+                         f"strides multiples of {step} elements, last stride 1); got data_ptr % 16 = "
+                         f"{t.data_ptr() % 16}, strides {tuple(t.stride())}")
+
+
+def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
+    """Runs one decode/verify plan: the split kernel writes each split's partials into `scratch`, the Triton
+    merge kernel combines them (with the sink) into `out` and `lse`."""
+    import cutlass.cute as cute
+    from cuda.bindings.driver import CUstream
+    from cutlass import Float32, Int32, Int64
+    from cutlass.cute.runtime import make_ptr
+
+    from b12x_inductor.kernels.triton import decode as triton_decode
+    from b12x_inductor.kernels.triton import _cache_strides, _pow2
+
+    q, k_cache, v_cache, pt = tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["page_table"]
+    layout = options["kv_layout"]
+    batch, s, hq, d = q.shape
+    hkv = k_cache.shape[2] if layout == "NHD" else k_cache.shape[1]
+    page = k_cache.shape[1] if layout == "NHD" else k_cache.shape[2]
+    shapes = dict(d=d, q_len=s, hq=hq, hkv=hkv, page_size=page, q_dtype=q.dtype, kv_dtype=k_cache.dtype)
+    _check_aligned("k_cache", k_cache, d)
+    _check_aligned("v_cache", v_cache, d)
+    compiled = _compiled(_key(shapes, plan, options))
+    splits = plan["num_splits"]
+    rows = batch * s * hq * splits
+    part = scratch.view(torch.float32)
+    part_o, part_l = part[: rows * d], part[rows * d: rows * (d + 1)]
+    kp, ko, kh = _cache_strides(k_cache.stride(), layout)
+    vp, vo, vh = _cache_strides(v_cache.stride(), layout)
+    gmem = cute.AddressSpace.gmem
+    f32 = _cutlass_dtype(torch.float32)
+    i32 = _cutlass_dtype(torch.int32)
+
+    def ptr(t, dt=None, align=4):
+        return make_ptr(dt or _cutlass_dtype(t.dtype), t.data_ptr(), gmem, assumed_align=align)
+
+    def opt(name, dt):
+        t = tensors[name]
+        return (ptr(t, dt), t) if t is not None else (ptr(lse, dt), None)
+
+    def ds_strides(t):
+        if t is None or t.dim() == 0:
+            return 0, 0
+        return (t.stride(0), 0) if t.dim() == 1 else (t.stride(0), t.stride(1))
+
+    kv_start_p, kv_start = opt("kv_start", i32)
+    kds_p, kds = opt("k_descale", f32)
+    vds_p, vds = opt("v_descale", f32)
+    window = int(options["window_left"])
+    softcap = float(options["softcap"])
+    stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    with torch.cuda.device(q.device):
+        compiled(
+            ptr(q, align=q.element_size()), ptr(k_cache, align=16), ptr(v_cache, align=16), ptr(pt, i32),
+            ptr(tensors["cache_seqlens"], i32), kv_start_p, kds_p, vds_p, ptr(part_o, f32), ptr(part_l, f32), Int32(batch),
+            Int64(q.stride(0)), Int64(q.stride(1)), Int64(q.stride(2)), Int64(kp), Int64(ko), Int64(kh),
+            Int64(vp), Int64(vo), Int64(vh), Int64(pt.stride(0)),
+            Int32(ds_strides(kds)[0]), Int32(ds_strides(kds)[1]), Int32(ds_strides(vds)[0]),
+            Int32(ds_strides(vds)[1]), Int32(kv_start is not None), Int32(kds is not None), Int32(vds is not None),
+            Int32(max(window, 0)), Float32(float(options["scale"])), Float32(softcap if softcap > 0 else 1.0),
+            stream,
+        )
+        sinks = tensors["sinks"]
+        triton_decode.merge_kernel[(batch * s * hq,)](
+            part_o, part_l, sinks if sinks is not None else lse, out, lse, int(sinks is not None),
+            HQ=hq, D=d, BLOCK_D=_pow2(d), NUM_SPLITS=splits, SPLITS_P2=_pow2(splits), num_warps=4, num_stages=1)
+
+
+def precompile(problem, plan, options: dict) -> None:
+    """Compiles the plan's split kernel (and the Triton merge kernel) ahead of any launch."""
+    if plan.family != "cute" or problem.device_type != "cuda":
+        return
+    shapes = dict(d=problem.head_dim, q_len=problem.q_len, hq=problem.num_q_heads, hkv=problem.num_kv_heads,
+                  page_size=problem.page_size, q_dtype=problem.q_dtype, kv_dtype=problem.kv_dtype)
+    _compiled(_key(shapes, plan.constants(), options))
+    _precompile_merge(problem, plan.num_splits)
+
+
+@functools.cache
+def _precompile_merge(problem, splits: int) -> None:
+    from b12x_inductor.kernels.triton import _pow2
+    from b12x_inductor.kernels.triton import decode as triton_decode
+
+    d, hq = problem.head_dim, problem.num_q_heads
+    k = triton_decode.merge_kernel.warmup(
+        torch.float32, torch.float32, torch.float32, problem.q_dtype, torch.float32, 0,
+        grid=(problem.batch * problem.q_len * hq,), HQ=hq, D=d, BLOCK_D=_pow2(d), NUM_SPLITS=splits,
+        SPLITS_P2=_pow2(splits), num_warps=4, num_stages=1)
+    init = getattr(k, "_init_handles", None)
+    if init is not None:
+        init()

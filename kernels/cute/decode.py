@@ -1,0 +1,354 @@
+"""Decode and verify in CuTe DSL: split-KV attention over paged K/V, staged through shared memory by cp.async.
+
+One CTA (32 x num_warps threads) takes request b, KV head h and one partition (split) of the visible key
+range, and serves all R = S x G query rows of that KV head (row r: token r // G, query head h * G + r % G),
+so each K/V tile is read from memory once. The products run on the CUDA cores in fp32 (a GEMV per row: with
+R <= 16 rows most of a tensor-core tile would be padding). The thread geometry is `geometry` in
+kernels/cute/__init__.py. Per tile of TN keys:
+
+1. cp.async gathers the tile's K and V rows into a STAGES-deep ring of shared-memory buffers (key j of the
+   request lives at page page_table[b, j // PAGE], slot j % PAGE; the page id is widened to 64 bits before
+   it is multiplied by the page stride). Chunks of 16 bytes are XOR-swizzled within a row so that the
+   per-key reads below hit distinct banks. Keys past the partition are zero-filled, never left stale.
+2. Scores: each thread takes 2 keys and one part of the head dim and accumulates the R partial dot
+   products in fp32 (float8 keys are widened in registers; q is kept in shared memory in fp32 and read by
+   broadcast).
+3. Softmax: one warp per row adds the parts, applies scale (descale folded in), softcap and the masks
+   (kv_start, causal, window), and updates the row's running max and sum (log2 domain).
+4. P V: each thread owns CPT adjacent columns of V for a subset of the tile's keys and accumulates R x CPT
+   fp32 sums; the subsets are added at the end.
+
+Every CTA writes its normalized partial output and log2-sum-exp in the layout of the Triton family's
+scratch ([rows, splits, D] and [rows, splits]); the Triton merge kernel then combines the splits with the
+sink and writes `out` and `lse` (also for one split), so both families share one merge.
+
+The split's key range is computed on the device from the live length, exactly as in the Triton kernel, so
+one compiled kernel serves every length; all launches go on the stream the caller passes (torch's current
+stream), which is what makes them capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from b12x_inductor.kernels.cute import KEYS_PER_THREAD, geometry
+
+LOG2E = 1.4426950408889634
+NEG_BIG = -1.0e30
+
+
+class SplitKernel:
+    """The split kernel for one set of compile-time constants (see `kernels/cute/__init__.py`)."""
+
+    def __init__(self, *, d: int, s: int, g: int, hkv: int, page: int, num_splits: int, tile_n: int, stages: int,
+                 num_warps: int, q_dtype, kv_dtype, causal: bool, use_window: bool, use_softcap: bool):
+        geo = geometry(d=d, rows=s * g, kv_bits=kv_dtype.width, tile_n=tile_n, stages=stages, num_warps=num_warps)
+        assert geo is not None, "the plan's tile does not fit this kernel (kernels/cute/__init__.py: geometry)"
+        self.__dict__.update(geo)
+        self.s, self.g, self.hkv, self.page, self.num_splits = s, g, hkv, page, num_splits
+        self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
+        self.causal, self.use_window, self.use_softcap = causal, use_window, use_softcap
+
+    @cute.jit
+    def __call__(
+        self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer,
+        seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, kds_ptr: cute.Pointer, vds_ptr: cute.Pointer,
+        part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
+        batch: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64, k_sp: Int64, k_so: Int64, k_sh: Int64,
+        v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
+        kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
+        has_kv_start: Int32, has_kds: Int32, has_vds: Int32,
+        window_left: Int32, sm_scale: Float32, softcap: Float32, stream,
+    ):
+        self.kernel(
+            q_ptr, k_ptr, v_ptr, pt_ptr, seqlens_ptr, kv_start_ptr, kds_ptr, vds_ptr, part_o_ptr, part_l_ptr,
+            q_sb, q_ss, q_sh, k_sp, k_so, k_sh, v_sp, v_so, v_sh, pt_sb, kds_b, kds_h, vds_b, vds_h,
+            has_kv_start, has_kds, has_vds, window_left, sm_scale, softcap,
+        ).launch(grid=(self.num_splits, self.hkv, batch), block=(self.threads, 1, 1), smem=self.smem_bytes,
+                 stream=stream)
+
+    @cute.jit
+    def _load_tile(self, k_base: Int64, v_base: Int64, pt_row: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                   atom, tile_lo: Int32, s_hi: Int32, stage: Int32, tidx: Int32,
+                   k_sp: Int64, k_so: Int64, v_sp: Int64, v_so: Int64):
+        TILE_N = const_expr(self.tile_n)
+        THREADS = const_expr(self.threads)
+        ch_n = const_expr(self.chunks)
+        vec = const_expr(self.vec)
+        esize = const_expr(self.kv_dtype.width // 8)
+        for i in cutlass.range_constexpr(TILE_N * ch_n // THREADS):
+            ci = tidx + i * THREADS
+            key = ci // ch_n
+            ch = ci % ch_n
+            phys = ch ^ (key & self.swizzle)
+            dst_k = sK[stage, key, phys, None]
+            dst_v = sV[stage, key, phys, None]
+            j = tile_lo + key
+            if j < s_hi:
+                page = Int64(pt_row[j // self.page])
+                slot = Int64(j % self.page)
+                off = Int64(ch * vec)
+                src_k = cute.make_tensor(
+                    cute.make_ptr(self.kv_dtype, k_base + (page * k_sp + slot * k_so + off) * esize,
+                                  cute.AddressSpace.gmem, assumed_align=16), cute.make_layout((vec,)))
+                src_v = cute.make_tensor(
+                    cute.make_ptr(self.kv_dtype, v_base + (page * v_sp + slot * v_so + off) * esize,
+                                  cute.AddressSpace.gmem, assumed_align=16), cute.make_layout((vec,)))
+                cute.copy(atom, src_k, dst_k)
+                cute.copy(atom, src_v, dst_v)
+            else:
+                for e in cutlass.range_constexpr(vec):
+                    dst_k[e] = self.kv_dtype(0.0)
+                    dst_v[e] = self.kv_dtype(0.0)
+
+    @cute.kernel
+    def kernel(
+        self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer,
+        seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, kds_ptr: cute.Pointer, vds_ptr: cute.Pointer,
+        part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
+        q_sb: Int64, q_ss: Int64, q_sh: Int64, k_sp: Int64, k_so: Int64, k_sh: Int64,
+        v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
+        kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
+        has_kv_start: Int32, has_kds: Int32, has_vds: Int32,
+        window_left: Int32, sm_scale: Float32, softcap: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        split, h, b = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        TILE_N = const_expr(self.tile_n)
+        THREADS = const_expr(self.threads)
+        WARPS = const_expr(self.warps)
+        D = const_expr(self.d)
+        S = const_expr(self.s)
+        G = const_expr(self.g)
+        R = const_expr(self.rows)
+        VEC = const_expr(self.vec)
+        CH = const_expr(self.chunks)
+        NS = const_expr(self.stages)
+        PARTS = const_expr(self.parts)
+        CPT = const_expr(self.cpt)
+        KP = const_expr(self.key_parts)
+        HQ = const_expr(self.hkv * self.g)
+        kvt = self.kv_dtype
+
+        # ---- shared memory ----
+        smem = cutlass.utils.SmemAllocator()
+        kv_layout = cute.make_layout((NS, TILE_N, CH, VEC), stride=(TILE_N * D, D, VEC, 1))
+        ring = cute.recast_ptr(smem.allocate(self.ring_bytes, byte_alignment=128), dtype=kvt)
+        sK = cute.make_tensor(ring, kv_layout)
+        sV = cute.make_tensor(ring + NS * TILE_N * D, kv_layout)
+        sQ = smem.allocate_tensor(Float32, cute.make_layout((R, CH, VEC), stride=(D, VEC, 1)), byte_alignment=16)
+        sS = smem.allocate_tensor(Float32, cute.make_layout((PARTS, R, TILE_N), stride=(R * TILE_N, TILE_N, 1)),
+                                  byte_alignment=16)
+        sP = smem.allocate_tensor(Float32, cute.make_layout((TILE_N, R), stride=(R, 1)), byte_alignment=16)
+        sAlpha = smem.allocate_tensor(Float32, cute.make_layout((R,)), byte_alignment=16)
+        sM = smem.allocate_tensor(Float32, cute.make_layout((R,)), byte_alignment=16)
+        sL = smem.allocate_tensor(Float32, cute.make_layout((R,)), byte_alignment=16)
+
+        # ---- the split's key range, from the live length (device-side) ----
+        seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout((1 << 30,)))
+        length = Int32(seqlens[b])
+        start = Int32(0)
+        if has_kv_start != 0:
+            kvs = cute.make_tensor(kv_start_ptr, cute.make_layout((1 << 30,)))
+            start = cutlass.max(Int32(kvs[b]), Int32(0))
+        lo = start
+        if const_expr(self.use_window):
+            lo = cutlass.max(lo, length - S - window_left)
+        hi = length
+        span = cutlass.max(hi - lo, Int32(0))
+        per_split = (span + self.num_splits - 1) // self.num_splits
+        chunk = (per_split + TILE_N - 1) // TILE_N * TILE_N
+        s_lo = lo + split * chunk
+        s_hi = cutlass.min(s_lo + chunk, hi)
+        n_tiles = cutlass.max((s_hi - s_lo + TILE_N - 1) // TILE_N, Int32(0))
+
+        k_scale = sm_scale * Float32(LOG2E)
+        if has_kds != 0:
+            kds = cute.make_tensor(kds_ptr, cute.make_layout((1 << 30,)))
+            k_scale = k_scale * Float32(kds[b * kds_b + h * kds_h])
+        v_scale = Float32(1.0)
+        if has_vds != 0:
+            vds = cute.make_tensor(vds_ptr, cute.make_layout((1 << 30,)))
+            v_scale = Float32(vds[b * vds_b + h * vds_h])
+
+        # ---- q rows of this KV head -> shared memory (fp32) ----
+        q_rows = cute.make_tensor(q_ptr, cute.make_layout((1 << 30,)))
+        for i in cutlass.range_constexpr((R * D + THREADS - 1) // THREADS):
+            e = tidx + i * THREADS
+            if e < R * D:
+                r = e // D
+                col = e % D
+                off = Int64(b) * q_sb + Int64(r // G) * q_ss + Int64(h * G + r % G) * q_sh + Int64(col)
+                sQ[r, col // VEC, col % VEC] = Float32(q_rows[off])
+
+        pt_row = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
+        k_base = k_ptr.toint() + Int64(h) * k_sh * (kvt.width // 8)
+        v_base = v_ptr.toint() + Int64(h) * v_sh * (kvt.width // 8)
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), kvt,
+                                   num_bits_per_copy=128)
+
+        # ---- per-thread state ----
+        # score phase: keys kj and kj + TILE_N / 2, head-dim part qp
+        kj = tidx % (TILE_N // KEYS_PER_THREAD)
+        qp = tidx // (TILE_N // KEYS_PER_THREAD)
+        # P V phase: columns cg * CPT ... + CPT - 1, keys kp, kp + KP, ...
+        cg = tidx % self.col_groups
+        kp = tidx // self.col_groups
+        acc = cute.make_rmem_tensor((R, CPT), Float32)
+        for r in cutlass.range_constexpr(R):
+            for c in cutlass.range_constexpr(CPT):
+                acc[r, c] = Float32(0.0)
+        # softmax phase: warp w owns rows w, w + WARPS, ...
+        m_run = cute.make_rmem_tensor((self.rows_per_warp,), Float32)
+        l_run = cute.make_rmem_tensor((self.rows_per_warp,), Float32)
+        for i in cutlass.range_constexpr(self.rows_per_warp):
+            m_run[i] = Float32(NEG_BIG)
+            l_run[i] = Float32(0.0)
+
+        # ---- prologue: the first NS - 1 tiles in flight ----
+        for st in cutlass.range_constexpr(NS - 1):
+            if st < n_tiles:
+                self._load_tile(k_base, v_base, pt_row, sK, sV, atom, s_lo + st * TILE_N, s_hi, Int32(st), tidx,
+                                k_sp, k_so, v_sp, v_so)
+            cute.arch.cp_async_commit_group()
+        cute.arch.barrier()
+
+        for it in cutlass.range(n_tiles, unroll=1):
+            stage = it % NS
+            cute.arch.cp_async_wait_group(NS - 2)
+            cute.arch.barrier()
+            nxt = it + NS - 1
+            if nxt < n_tiles:
+                self._load_tile(k_base, v_base, pt_row, sK, sV, atom, s_lo + nxt * TILE_N, s_hi, nxt % NS, tidx,
+                                k_sp, k_so, v_sp, v_so)
+            cute.arch.cp_async_commit_group()
+            tile_lo = s_lo + it * TILE_N
+
+            # 2. partial scores over this thread's part of the head dim
+            dots = cute.make_rmem_tensor((KEYS_PER_THREAD, R), Float32)
+            for kk in cutlass.range_constexpr(KEYS_PER_THREAD):
+                for r in cutlass.range_constexpr(R):
+                    dots[kk, r] = Float32(0.0)
+            for c in cutlass.range_constexpr(CH // PARTS):
+                ch = qp * (CH // PARTS) + c
+                key0 = kj
+                key1 = kj + TILE_N // KEYS_PER_THREAD
+                k0 = sK[stage, key0, ch ^ (key0 & self.swizzle), None].load().to(Float32)
+                k1 = sK[stage, key1, ch ^ (key1 & self.swizzle), None].load().to(Float32)
+                for r in cutlass.range_constexpr(R):
+                    qv = sQ[r, ch, None].load()
+                    for e in cutlass.range_constexpr(VEC):
+                        dots[0, r] = dots[0, r] + qv[e] * k0[e]
+                        dots[1, r] = dots[1, r] + qv[e] * k1[e]
+            for kk in cutlass.range_constexpr(KEYS_PER_THREAD):
+                for r in cutlass.range_constexpr(R):
+                    sS[qp, r, kj + kk * (TILE_N // KEYS_PER_THREAD)] = dots[kk, r]
+            cute.arch.barrier()
+
+            # 3. softmax of the tile, one warp per row
+            for i in cutlass.range_constexpr(self.rows_per_warp):
+                r = warp + i * WARPS
+                if r < R:
+                    tok = r // G
+                    limit = length - S + tok
+                    pv = cute.make_rmem_tensor((TILE_N // 32,), Float32)
+                    t_max = Float32(NEG_BIG)
+                    for u in cutlass.range_constexpr(TILE_N // 32):
+                        key = lane + u * 32
+                        j = tile_lo + key
+                        x = Float32(0.0)
+                        for p in cutlass.range_constexpr(PARTS):
+                            x = x + sS[p, r, key]
+                        if const_expr(self.use_softcap):
+                            y = x * (k_scale / (softcap * Float32(LOG2E)))
+                            x = softcap * Float32(LOG2E) * (Float32(1.0) - Float32(2.0) / (
+                                cute.math.exp(Float32(2.0) * y) + Float32(1.0)))
+                        else:
+                            x = x * k_scale
+                        visible = (j < s_hi) & (j >= start)
+                        if const_expr(self.causal):
+                            visible = visible & (j <= limit)
+                        if const_expr(self.use_window):
+                            visible = visible & (j >= limit - window_left)
+                        x = x if visible else Float32(-math.inf)
+                        pv[u] = x
+                        t_max = cutlass.max(t_max, x)
+                    for off in cutlass.range_constexpr(5):
+                        t_max = cutlass.max(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=1 << (4 - off)))
+                    m_new = cutlass.max(m_run[i], t_max)
+                    alpha = cute.arch.exp2(m_run[i] - m_new)
+                    t_sum = Float32(0.0)
+                    for u in cutlass.range_constexpr(TILE_N // 32):
+                        pexp = cute.arch.exp2(pv[u] - m_new)
+                        sP[lane + u * 32, r] = pexp
+                        t_sum = t_sum + pexp
+                    for off in cutlass.range_constexpr(5):
+                        t_sum = t_sum + cute.arch.shuffle_sync_bfly(t_sum, offset=1 << (4 - off))
+                    l_run[i] = l_run[i] * alpha + t_sum
+                    m_run[i] = m_new
+                    if lane == 0:
+                        sAlpha[r] = alpha
+            cute.arch.barrier()
+
+            # 4. P V over this thread's columns and keys
+            for r in cutlass.range_constexpr(R):
+                a = sAlpha[r]
+                for c in cutlass.range_constexpr(CPT):
+                    acc[r, c] = acc[r, c] * a
+            col0 = cg * CPT
+            vch = col0 // VEC
+            vin = col0 % VEC
+            for u in cutlass.range_constexpr(TILE_N // KP):
+                key = kp + u * KP
+                vrow = sV[stage, key, vch ^ (key & self.swizzle), None]
+                vv = cute.make_tensor(vrow.iterator + vin, cute.make_layout((CPT,))).load().to(Float32)
+                pr = sP[key, None].load()
+                for r in cutlass.range_constexpr(R):
+                    for c in cutlass.range_constexpr(CPT):
+                        acc[r, c] = acc[r, c] + pr[r] * vv[c]
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+
+        # ---- combine the key parts of P V (reusing the K ring) and write the split's partials ----
+        for i in cutlass.range_constexpr(self.rows_per_warp):
+            r = warp + i * WARPS
+            if r < R:
+                if lane == 0:
+                    sM[r] = m_run[i]
+                    sL[r] = l_run[i]
+        red = cute.make_tensor(cute.recast_ptr(sK.iterator, dtype=Float32),
+                               cute.make_layout((KP, R, D), stride=(R * D, D, 1)))
+        for r in cutlass.range_constexpr(R):
+            for c in cutlass.range_constexpr(CPT):
+                red[kp, r, cg * CPT + c] = acc[r, c]
+        cute.arch.barrier()
+        part_o = cute.make_tensor(part_o_ptr, cute.make_layout((1 << 30,)))
+        part_l = cute.make_tensor(part_l_ptr, cute.make_layout((1 << 30,)))
+        for i in cutlass.range_constexpr((R * D + THREADS - 1) // THREADS):
+            e = tidx + i * THREADS
+            if e < R * D:
+                r = e // D
+                col = e % D
+                total = Float32(0.0)
+                for p in cutlass.range_constexpr(KP):
+                    total = total + red[p, r, col]
+                l_r = sL[r]
+                o = Float32(0.0)
+                if l_r > Float32(0.0):
+                    o = total * (v_scale / l_r)
+                out_row = Int64((b * S + r // G) * HQ + h * G + r % G)
+                part = out_row * self.num_splits + Int64(split)
+                part_o[part * D + Int64(col)] = o
+                if col == 0:
+                    lse = Float32(-math.inf)
+                    if l_r > Float32(0.0):
+                        lse = sM[r] + cute.math.log2(l_r)
+                    part_l[part] = lse
