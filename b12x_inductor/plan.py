@@ -87,9 +87,10 @@ class Plan:
         )
 
 
-def split_scratch_bytes(problem: Problem, num_splits: int) -> int:
-    """Bytes of split-KV scratch: fp32 partial outputs [rows, Hq, splits, D] and LSEs [rows, Hq, splits]."""
-    if num_splits <= 1:
+def split_scratch_bytes(problem: Problem, num_splits: int, always: bool = False) -> int:
+    """Bytes of split-KV scratch: fp32 partial outputs [rows, Hq, splits, D] and LSEs [rows, Hq, splits]
+    (none for one split, unless `always`: the CuTe family always writes partials and merges)."""
+    if num_splits <= 1 and not always:
         return 0
     rows = problem.batch * problem.q_len
     return rows * problem.num_q_heads * num_splits * (problem.head_dim + 1) * 4
@@ -111,8 +112,11 @@ def _next_pow2(n: int) -> int:
 def _family(problem: Problem) -> str:
     if problem.device_type != "cuda":
         return "torch"
+    from b12x_inductor.kernels import cute as cute_kernels
     from b12x_inductor.kernels import triton as triton_kernels
 
+    if cute_kernels.supports(problem) and cute_kernels.available() and _cute_measured_faster(problem):
+        return "cute"
     return "triton" if triton_kernels.supports(problem) else "torch"
 
 
@@ -126,11 +130,17 @@ def select_plan(problem: Problem) -> Plan:
       programs fill the GPU, each partition sized on the device from the live length, then merged.
     - extend: FlashAttention-2-style causal tiles, no split.
     """
-    mode = problem.mode
-    family = _family(problem)
+    return family_plan(problem, _family(problem))
+
+
+def family_plan(problem: Problem, family: str) -> Plan:
+    """The tiles of one kernel family for a problem. `select_plan` alone decides which family runs; this is
+    also what tests and benchmarks call to run a family that select_plan would not pick."""
     if family == "torch":
-        return Plan(mode=mode, family="torch", num_splits=1, block_m=0, block_n=0, num_warps=0,
+        return Plan(mode=problem.mode, family="torch", num_splits=1, block_m=0, block_n=0, num_warps=0,
                     num_stages=0, scratch_bytes=0)
+    if family == "cute":
+        return _cute_plan(problem)
     return _triton_plan(problem)
 
 
@@ -147,6 +157,17 @@ def _prev_pow2(n: int) -> int:
     return 1 << max(0, n.bit_length() - 1)
 
 
+def _split_count(problem: Problem, programs: int) -> int:
+    """Split-KV partitions: the smallest power of two that brings `programs` x splits to about
+    _TRITON_PROGRAMS_PER_SM per SM, each split keeping at least _TRITON_MIN_SPLIT_KEYS keys of capacity."""
+    target = _prev_pow2(_TRITON_PROGRAMS_PER_SM * max(problem.sm_count, 1))
+    num_splits = 1
+    while (programs * num_splits < target and num_splits < _TRITON_MAX_SPLITS
+           and problem.kv_capacity // (2 * num_splits) >= _TRITON_MIN_SPLIT_KEYS):
+        num_splits *= 2
+    return num_splits
+
+
 def _triton_plan(problem: Problem) -> Plan:
     """The Triton family's tiles and split count: a pure function of the Problem."""
     mode, d = problem.mode, problem.head_dim
@@ -161,12 +182,28 @@ def _triton_plan(problem: Problem) -> Plan:
     block_m = min(max(16, _next_pow2(rows)), 64 if d > 128 else 128)
     m_tiles = -(-rows // block_m)
     block_n = (128 if fp8 else 64) if d <= 128 else (64 if fp8 else 32)
-    programs = problem.batch * problem.num_kv_heads * m_tiles
-    target = _prev_pow2(_TRITON_PROGRAMS_PER_SM * max(problem.sm_count, 1))
-    num_splits = 1
-    while (programs * num_splits < target and num_splits < _TRITON_MAX_SPLITS
-           and problem.kv_capacity // (2 * num_splits) >= _TRITON_MIN_SPLIT_KEYS):
-        num_splits *= 2
+    num_splits = _split_count(problem, problem.batch * problem.num_kv_heads * m_tiles)
     return Plan(mode=mode, family="triton", num_splits=num_splits, block_m=block_m, block_n=block_n,
                 num_warps=4 if block_m <= 32 else 8, num_stages=2,
                 scratch_bytes=split_scratch_bytes(problem, num_splits))
+
+
+# CuTe DSL tiles (kernels/cute/decode.py): one CTA per (request, KV head, split) with all S x G query rows,
+# a cp.async ring of `num_stages` tiles of `block_n` keys. Split count: the Triton rule. Measured on the H200
+# (h200.md, "CuTe DSL"): 64-key tiles, 2 stages and 4 warps beat 128-key tiles, 3 stages and 8 warps.
+_CUTE_TILE = dict(block_n=64, num_stages=2, num_warps=4)
+
+
+def _cute_plan(problem: Problem) -> Plan:
+    num_splits = _split_count(problem, problem.batch * problem.num_kv_heads)
+    return Plan(mode=problem.mode, family="cute", num_splits=num_splits, block_m=problem.q_len * problem.group,
+                **_CUTE_TILE, scratch_bytes=split_scratch_bytes(problem, num_splits, always=True))
+
+
+def _cute_measured_faster(problem: Problem) -> bool:
+    """Where the CuTe family measured faster than Triton on the H200 (benchmarks/results/h200.md, "CuTe
+    DSL"): decode from a float8 cache with D = 128 and at most 4 query heads per KV head (1.09-1.15x on all
+    six benchmark rows). bf16 decode (0.84-0.89x) and verify (0.3-0.4x) stay on Triton, whose products run
+    on tensor cores; configurations not measured (other head dims, larger groups) stay on Triton too."""
+    return (problem.mode == "decode" and problem.kv_dtype == torch.float8_e4m3fn and problem.head_dim == 128
+            and problem.group <= 4)

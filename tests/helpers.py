@@ -45,3 +45,33 @@ def make_problem(*, batch=3, q_len=1, hq=8, hkv=2, d=64, page_size=4, max_pages=
         cache_seqlens=lens.int().to(device),
         cu_seqlens_q=None if cu is None else cu.to(device),
     )
+
+
+def run_family(t, options, family, out=None):
+    """Runs one family's plan for the inputs through kernels.run_entry (the entry ops' path)."""
+    from b12x_inductor import validate
+    from b12x_inductor.kernels import run_entry
+    from b12x_inductor.ops import entry_options
+    from b12x_inductor.plan import family_plan
+
+    problem = validate.check_paged_attention(
+        t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"],
+        kv_layout=options.get("kv_layout", "NHD"), causal=options.get("causal", True), scale=options.get("scale"),
+        window_left=options.get("window_left", -1), kv_start=t["kv_start"], sinks=t["sinks"],
+        softcap=options.get("softcap", 0.0), k_descale=t["k_descale"], v_descale=t["v_descale"], out=None)
+    plan = family_plan(problem, family)
+    q = t["q"]
+    out = torch.full_like(q, float("nan")) if out is None else out
+    lse = torch.full(q.shape[:-1], float("nan"), device=q.device)
+    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=q.device)
+    opts = entry_options(q.shape[-1], kv_layout=options.get("kv_layout", "NHD"), causal=options.get("causal", True),
+                         scale=options.get("scale"), window_left=options.get("window_left", -1),
+                         softcap=options.get("softcap", 0.0))
+    tensors = {k: t[k] for k in ("q", "k_cache", "v_cache", "page_table", "cache_seqlens", "cu_seqlens_q",
+                                 "kv_start", "sinks", "k_descale", "v_descale")}
+
+    def call():
+        run_entry(plan.mode, plan.family, tensors, out=out, lse=lse, scratch=scratch, options=opts,
+                  plan=plan.constants())
+    call()
+    return out, lse, plan, call

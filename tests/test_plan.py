@@ -43,6 +43,28 @@ def table() -> str:
     return "\n".join(rows)
 
 
+def table_cute() -> str:
+    """The rows where the CuTe family is in question, as select_plan decides with nvidia-cutlass-dsl installed."""
+    f8 = torch.float8_e4m3fn
+    rows = [
+        _row("fp8 decode 1x32768", batch=1, q_len=1, max_pages=2048, kv_dtype=f8, **H200),
+        _row("fp8 decode 8x8192", batch=8, q_len=1, max_pages=512, kv_dtype=f8, **H200),
+        _row("fp8 decode 32x4096", batch=32, q_len=1, max_pages=256, kv_dtype=f8, **H200),
+        _row("fp8 decode 64x2048", batch=64, q_len=1, max_pages=128, kv_dtype=f8, **H200),
+        _row("fp8 decode 128x1024", batch=128, q_len=1, max_pages=64, kv_dtype=f8, **H200),
+        _row("fp8 decode 16x16384", batch=16, q_len=1, max_pages=1024, kv_dtype=f8, **H200),
+        _row("fp8 decode D=64 HND p=1", batch=8, q_len=1, max_pages=512, kv_dtype=f8, head_dim=64,
+             kv_layout="HND", page_size=1, **H200),
+        _row("fp8 decode D=96", batch=8, q_len=1, max_pages=512, kv_dtype=f8, head_dim=96, **H200),
+        _row("fp8 decode G=8", batch=8, q_len=1, max_pages=512, kv_dtype=f8, num_q_heads=64, **H200),
+        _row("fp8 decode sm80", batch=8, q_len=1, max_pages=512, kv_dtype=f8, device_type="cuda", sm_count=108,
+             capability=(8, 0)),
+        _row("fp8 verify 8x8192 S=4", batch=8, q_len=4, max_pages=512, kv_dtype=f8, **H200),
+        _row("bf16 decode 32x4096", batch=32, q_len=1, max_pages=256, **H200),
+    ]
+    return "\n".join(rows)
+
+
 class TestPlanTable(expecttest.TestCase):
     def test_table(self):
         self.assertExpectedInline(table(), """\
@@ -63,6 +85,26 @@ h200 verify 64x2048 S=16     verify  triton splits=2   m=64  n=64  warps=8 stage
 h200 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 h200 packed T=16384          extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 h200 extend D=256            extend  triton splits=1   m=64  n=32  warps=4 stages=2 scratch=0""")
+
+    def test_table_with_cute_installed(self):
+        from unittest import mock
+
+        from b12x_inductor.kernels import cute
+
+        with mock.patch.object(cute, "available", lambda: True):
+            self.assertExpectedInline(table_cute(), """\
+fp8 decode 1x32768           decode  cute   splits=64  m=4   n=64  warps=4 stages=2 scratch=1056768
+fp8 decode 8x8192            decode  cute   splits=16  m=4   n=64  warps=4 stages=2 scratch=2113536
+fp8 decode 32x4096           decode  cute   splits=4   m=4   n=64  warps=4 stages=2 scratch=2113536
+fp8 decode 64x2048           decode  cute   splits=2   m=4   n=64  warps=4 stages=2 scratch=2113536
+fp8 decode 128x1024          decode  cute   splits=1   m=4   n=64  warps=4 stages=2 scratch=2113536
+fp8 decode 16x16384          decode  cute   splits=8   m=4   n=64  warps=4 stages=2 scratch=2113536
+fp8 decode D=64 HND p=1      decode  triton splits=2   m=16  n=128 warps=4 stages=2 scratch=133120
+fp8 decode D=96              decode  triton splits=16  m=16  n=128 warps=4 stages=2 scratch=1589248
+fp8 decode G=8               decode  triton splits=16  m=16  n=128 warps=4 stages=2 scratch=4227072
+fp8 decode sm80              decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+fp8 verify 8x8192 S=4        verify  triton splits=16  m=16  n=128 warps=4 stages=2 scratch=8454144
+bf16 decode 32x4096          decode  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=2113536""")
 
     def test_modes_from_static_shapes(self):
         def mode(q_len, packed=False):

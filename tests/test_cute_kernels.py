@@ -1,0 +1,227 @@
+"""The CuTe DSL family (decode/verify on Hopper) against the reference, and where select_plan picks it.
+
+CPU (CI): the family's `supports` table, its plan, and the rule that select_plan picks it only where it is
+installed, the GPU is one it was verified on and it measured faster than Triton.
+
+GPU (`gpu` marker; skipped without CUDA or without nvidia-cutlass-dsl): every feature against the reference
+through the family's plan, CUDA-graph capture and replay with the outputs poisoned and the lengths and page
+tables changed between replays, and torch.compile(mode="reduce-overhead") over changing lengths with no
+cudagraph skip and no recompile, with select_plan picking the family.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from tests.helpers import run_family
+from tests.test_triton_kernels import F8, check_close, make_inputs
+
+BASE = dict(batch=8, q_len=1, packed=False, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+            max_pages=512, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_layout="NHD", device_type="cuda",
+            sm_count=132, capability=(9, 0))
+
+
+def _problem(**kw):
+    from b12x_inductor.plan import Problem
+
+    return Problem(**{**BASE, **kw})
+
+
+def test_cute_supports_table():
+    from b12x_inductor.kernels import cute
+
+    assert cute.supports(_problem())
+    assert cute.supports(_problem(kv_dtype=F8, head_dim=64, kv_layout="HND", page_size=1))
+    assert cute.supports(_problem(q_len=4))  # verify, 16 rows
+    assert not cute.supports(_problem(q_len=8))  # 32 rows per KV head
+    assert not cute.supports(_problem(q_len=64))  # extend stays with Triton
+    assert not cute.supports(_problem(q_len=64, packed=True))
+    assert not cute.supports(_problem(head_dim=96))
+    assert not cute.supports(_problem(capability=(8, 0)))
+    assert not cute.supports(_problem(device_type="cpu"))
+    assert not cute.supports(_problem(q_dtype=torch.float32, kv_dtype=torch.float32))
+
+
+def test_cute_family_plan_always_has_scratch():
+    from b12x_inductor.plan import family_plan, split_scratch_bytes
+
+    p = _problem(batch=128, max_pages=64)
+    plan = family_plan(p, "cute")
+    assert plan.family == "cute" and plan.block_m == 4 and plan.block_n == 64
+    assert plan.scratch_bytes == split_scratch_bytes(p, plan.num_splits, always=True) > 0
+    assert family_plan(_problem(kv_dtype=F8), "cute").num_stages == 2
+
+
+def test_select_plan_picks_cute_only_where_installed_and_faster(monkeypatch):
+    from b12x_inductor import plan as plan_mod
+    from b12x_inductor.kernels import cute
+
+    faster = [p for p in (_problem(), _problem(kv_dtype=F8), _problem(q_len=4), _problem(batch=1, max_pages=2048))
+              if plan_mod._cute_measured_faster(p)]
+    monkeypatch.setattr(cute, "available", lambda: False)
+    for p in faster:
+        assert plan_mod.select_plan(p).family == "triton"
+    monkeypatch.setattr(cute, "available", lambda: True)
+    for p in faster:
+        assert plan_mod.select_plan(p).family == "cute"
+    # never where it does not apply, installed or not
+    assert plan_mod.select_plan(_problem(q_len=64)).family == "triton"
+    assert plan_mod.select_plan(_problem(capability=(8, 0))).family == "torch"
+    assert plan_mod.select_plan(_problem(head_dim=96)).family == "triton"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU
+
+def _cute_ready():
+    if not torch.cuda.is_available():
+        return False
+    from b12x_inductor.kernels import cute
+
+    return cute.available()
+
+
+needs_cute = pytest.mark.skipif(not _cute_ready(), reason="needs CUDA and nvidia-cutlass-dsl")
+
+GPU_CASES = [
+    # (name, make_inputs kwargs, options)
+    ("decode_bf16_nhd_p16", dict(batch=3, hq=32, hkv=8, d=128, page_size=16, lens=[700, 1, 2053]), {}),
+    ("decode_fp16_hnd_p1", dict(batch=2, hq=8, hkv=2, d=64, page_size=1, lens=[300, 77], dtype=torch.float16,
+                                kv_layout="HND"), {}),
+    ("decode_d256_p7", dict(batch=2, hq=16, hkv=2, d=256, page_size=7, lens=[400, 3]), {}),
+    ("decode_g1_d64", dict(batch=2, hq=8, hkv=8, d=64, page_size=16, lens=[129, 64]), {}),
+    ("decode_features", dict(batch=3, hq=16, hkv=4, d=128, page_size=16, lens=[600, 37, 0], kv_start=True,
+                             sinks=True), dict(window_left=100, softcap=20.0, scale=0.05)),
+    ("decode_noncausal_empty", dict(batch=2, hq=8, hkv=8, d=64, page_size=16, lens=[0, 129]), dict(causal=False)),
+    ("decode_fp8_scalar", dict(batch=2, hq=32, hkv=8, d=128, page_size=16, lens=[900, 65], kv_dtype=F8,
+                               descale="scalar"), {}),
+    ("decode_fp8_b_hnd", dict(batch=2, hq=16, hkv=4, d=128, page_size=16, lens=[300, 999], kv_dtype=F8,
+                              descale="b", kv_layout="HND"), {}),
+    ("decode_fp8_bh_fp16_d64", dict(batch=2, hq=8, hkv=2, d=64, page_size=4, lens=[222, 5], kv_dtype=F8,
+                                    descale="bh", dtype=torch.float16), {}),
+    ("decode_fp8_d256_features", dict(batch=2, hq=16, hkv=2, d=256, page_size=16, lens=[500, 70], kv_dtype=F8,
+                                      descale="bh", kv_start=True, sinks=True), dict(window_left=50, softcap=8.0)),
+    ("verify_s4", dict(batch=3, q_len=4, hq=32, hkv=8, d=128, page_size=16, lens=[800, 4, 2]), {}),
+    ("verify_features_hnd", dict(batch=2, q_len=3, hq=8, hkv=2, d=128, page_size=3, lens=[260, 20],
+                                 kv_layout="HND", kv_start=True, sinks=True), dict(window_left=7, softcap=10.0)),
+    ("verify_fp8_s2_g8", dict(batch=2, q_len=2, hq=16, hkv=2, d=128, page_size=16, lens=[300, 40], kv_dtype=F8,
+                              descale="bh"), {}),
+]
+
+
+def _reference(t, options):
+    from b12x_inductor.kernels.reference import paged_attention_reference
+
+    return paged_attention_reference(**t, **options)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("name,kw,options", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_cute_matches_reference(name, kw, options):
+    options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
+    t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000)
+    out, lse, plan, _ = run_family(t, options, "cute")
+    torch.cuda.synchronize()
+    assert plan.family == "cute"
+    check_close(out, lse, *_reference(t, options), what=f"{name} {plan}")
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, F8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("q_len", [1, 4], ids=["decode", "verify"])
+def test_gpu_cute_cuda_graph_replay(q_len, kv_dtype):
+    """Capture once; poison the outputs, change lengths and page tables in place, replay, compare."""
+    kw = dict(batch=3, q_len=q_len, hq=16, hkv=4, d=128, page_size=16, lens=[500, 260, 70], spare_pages=4,
+              kv_dtype=kv_dtype, descale="bh" if kv_dtype == F8 else None)
+    t = make_inputs(**kw, device="cuda", seed=7)
+    options = dict(kv_layout="NHD")
+    out, lse, plan, call = run_family(t, options, "cute")  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    gen = torch.Generator().manual_seed(3)
+    cap = t["page_table"].shape[1] * 16
+    for step in range(3):
+        t["cache_seqlens"].copy_(torch.randint(45, cap + 1, (3,), generator=gen).int())
+        perm = torch.randperm(t["k_cache"].shape[0], generator=gen)[: t["page_table"].numel()]
+        t["page_table"].copy_(perm.reshape(t["page_table"].shape).int())
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_close(out, lse, *_reference(t, options), what=f"cute q_len {q_len} replay {step}")
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_gpu_cute_compile_reduce_overhead_no_skip_no_recompile(monkeypatch):
+    """With select_plan picking the CuTe family: compiled decode over changing lengths, no recompile, no skip."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import b12x_inductor as b12x
+    from b12x_inductor import ops, validate
+    from b12x_inductor import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_cute_measured_faster", lambda problem: True)
+    ops.plan_for.cache_clear()
+    t = make_inputs(batch=4, hq=32, hkv=8, d=128, page_size=16, lens=[300, 200, 100, 50], spare_pages=8,
+                    device="cuda", seed=11, kv_dtype=F8, descale="bh")
+
+    def step(q, k, v, pt, lens, kds, vds):
+        out, lse = b12x.paged_attention(q, k, v, pt, lens, k_descale=kds, v_descale=vds, return_lse=True)
+        return out * 2.0, lse
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        gen = torch.Generator().manual_seed(5)
+        cap = t["page_table"].shape[1] * 16
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for i in range(5):
+                t["cache_seqlens"].copy_(torch.randint(1, cap + 1, (4,), generator=gen).int())
+                out, lse = compiled(t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"],
+                                    t["k_descale"], t["v_descale"])
+                torch.cuda.synchronize()
+                ref_out, ref_lse = _reference(t, dict(kv_layout="NHD"))
+                check_close(out / 2.0, lse, ref_out, ref_lse, what=f"compiled step {i}")
+        assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+        problem = validate.check_paged_attention(
+            t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], None, kv_layout="NHD",
+            causal=True, scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0,
+            k_descale=t["k_descale"], v_descale=t["v_descale"], out=None)
+        assert ops.plan_for(problem).family == "cute"
+    finally:
+        ops.plan_for.cache_clear()
+        torch._dynamo.reset()
+
+
+
+def test_cute_rejects_unaligned_cache_rows_with_a_clear_error():
+    """cp.async moves 16-byte chunks: a cache view whose rows do not start on 16 bytes is refused by name."""
+    from b12x_inductor.kernels.cute import _check_aligned
+
+    cache = torch.zeros(4, 16, 2, 65, dtype=torch.bfloat16)[..., 1:]  # rows start 2 bytes in
+    with pytest.raises(ValueError, match=r"needs k_cache with 16-byte aligned rows .* got data_ptr % 16 = 2"):
+        _check_aligned("k_cache", cache, 64)
+    _check_aligned("v_cache", torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16), 64)
+
+
+def test_cute_geometry_fits_every_supported_problem():
+    """The plan's tile fits the kernel (threads, shared memory) for every head dim, dtype and row count the
+    family supports; larger tiles that do not fit are refused rather than launched."""
+    from b12x_inductor.kernels.cute import HEAD_DIMS, MAX_ROWS, geometry
+
+    for d in HEAD_DIMS:
+        for bits in (8, 16):
+            for rows in range(1, MAX_ROWS + 1):
+                assert geometry(d=d, rows=rows, kv_bits=bits, tile_n=64, stages=2, num_warps=4) is not None
+    assert geometry(d=256, rows=4, kv_bits=16, tile_n=128, stages=2, num_warps=4) is None  # > 227 KB
+    assert geometry(d=64, rows=4, kv_bits=8, tile_n=64, stages=2, num_warps=8) is None  # 8 parts of 4 chunks
