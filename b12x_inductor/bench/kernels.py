@@ -13,7 +13,8 @@ L2, CUDA events, the median of the replays. The device copy bandwidth is measure
 Prints a progress line per row, then writes JSON and a PNG chart.
 
 Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8 (default all),
---peers sdpa,flex,flashinfer (default all importable), --variants (tuning: other plan constants),
+--peers sdpa,flex,flashinfer (default all importable), --families triton,cute (each family's own plan
+side by side), --variants (tuning: other plan constants),
 --warm-peers (JIT-build FlashInfer's modules and exit).
 """
 
@@ -203,30 +204,33 @@ def copy_bandwidth():
 # ----------------------------------------------------------------------------------------------------------
 # implementations: each returns a zero-argument callable that writes its output for one input set
 
-def b12x_call(s, mode, variant=None):
+def b12x_call(s, mode, variant=None, family=None):
     import b12x_inductor as b12x
 
-    if variant is None:
+    if variant is None and family is None:
         def call():
             b12x.paged_attention(s["q"], s["k_cache"], s["v_cache"], s["page_table"], s["cache_seqlens"],
                                  k_descale=s["k_descale"], v_descale=s["v_descale"], out=s["out"])
         return call, lambda: s["out"]
-    # a tuning variant: the plan of select_plan with (num_splits, block_n, num_stages, num_warps) replaced
-    # where the variant gives a nonzero value
+    # one kernel family's plan (family_plan), with (num_splits, block_n, num_stages, num_warps) replaced where
+    # the variant gives a nonzero value
     import dataclasses
 
     from b12x_inductor import validate
-    from b12x_inductor.kernels import triton as tk
-    from b12x_inductor.plan import select_plan, split_scratch_bytes
+    from b12x_inductor.kernels import run_entry
+    from b12x_inductor.plan import family_plan, select_plan, split_scratch_bytes
 
     problem = validate.check_paged_attention(
         s["q"], s["k_cache"], s["v_cache"], s["page_table"], s["cache_seqlens"], None, kv_layout="NHD",
         causal=True, scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0,
         k_descale=s["k_descale"], v_descale=s["v_descale"], out=None)
-    plan = select_plan(problem)
-    fields = dict(zip(("num_splits", "block_n", "num_stages", "num_warps", "block_m"), variant))
+    plan = family_plan(problem, family) if family else select_plan(problem)
+    if plan.family == "cute" and (mode == "extend" or not _cute_supports(problem)):
+        return None
+    fields = dict(zip(("num_splits", "block_n", "num_stages", "num_warps", "block_m"), variant or ()))
     plan = dataclasses.replace(plan, **{k: v for k, v in fields.items() if v})
-    plan = dataclasses.replace(plan, scratch_bytes=split_scratch_bytes(problem, plan.num_splits))
+    plan = dataclasses.replace(plan, scratch_bytes=split_scratch_bytes(problem, plan.num_splits,
+                                                                       always=plan.family == "cute"))
     out = torch.empty_like(s["q"])
     lse = torch.empty(s["q"].shape[:-1], dtype=torch.float32, device=DEVICE)
     scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=DEVICE)
@@ -236,8 +240,15 @@ def b12x_call(s, mode, variant=None):
     options = dict(kv_layout="NHD", causal=True, scale=D**-0.5, window_left=-1, softcap=0.0)
 
     def call():
-        tk.run(plan.mode, tensors, out=out, lse=lse, scratch=scratch, options=options, plan=plan.constants())
+        run_entry(plan.mode, plan.family, tensors, out=out, lse=lse, scratch=scratch, options=options,
+                  plan=plan.constants())
     return call, lambda: out
+
+
+def _cute_supports(problem):
+    from b12x_inductor.kernels import cute
+
+    return cute.available() and cute.supports(problem)
 
 
 def sdpa_call(s, mode):
@@ -358,16 +369,19 @@ def row_metrics(mode, batch, length, q_len, kv_dtype, us):
     return dict(tbps=(kv_bytes + q_bytes) / (us * 1e-6) / 1e12)
 
 
-def run_row(mode, batch, length, q_len, kv_dtype, peers, variants, bw):
+def run_row(mode, batch, length, q_len, kv_dtype, peers, variants, bw, families=()):
     label = f"{mode}{'-fp8' if kv_dtype == torch.float8_e4m3fn else ''} {batch}x{length}"
     set_bytes = batch * length * HKV * D * 2 * kv_dtype.itemsize
     n_sets = max(2, math.ceil(2 * L2_BYTES / set_bytes))
     sets = [make_set(mode, batch, length, q_len, kv_dtype, seed=17 * i + batch) for i in range(n_sets)]
     impls = [("b12x", lambda s, m: b12x_call(s, m))] + peers_for(mode, kv_dtype, peers)
-    for v in variants:
+    for fam in families:
+        impls.append((f"b12x-{fam}", lambda s, m, fam=fam: b12x_call(s, m, family=fam)))
+    for fam, v in variants:
         if mode == "extend" and v[0]:
             continue
-        impls.append(("b12x-v" + ":".join(map(str, v)), lambda s, m, v=v: b12x_call(s, m, v)))
+        name = f"b12x-{fam + '-' if fam else ''}v" + ":".join(map(str, v))
+        impls.append((name, lambda s, m, v=v, fam=fam: b12x_call(s, m, v, family=fam)))
     refs = reference_slices(sets[0], mode)
     result = dict(row=label, mode=mode, batch=batch, kv_len=length, q_len=q_len,
                   kv_dtype=str(kv_dtype).replace("torch.", ""), sets=n_sets, impls={})
@@ -445,8 +459,10 @@ def main(argv) -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--rows", default="decode,verify,extend,fp8")
     ap.add_argument("--peers", default="sdpa,flex,flashinfer")
-    ap.add_argument("--variants", default="", help="tuning: also time plan variants 'splits:block_n:stages:warps"
-                    ",...' (0 keeps the plan's value; variants with splits skip extend rows)")
+    ap.add_argument("--variants", default="", help="tuning: also time plan variants '[family:]splits:block_n:"
+                    "stages:warps,...' (0 keeps the plan's value; variants with splits skip extend rows)")
+    ap.add_argument("--families", default="", help="also time these kernel families' plans, e.g. 'triton,cute' "
+                    "(b12x-<family> rows; 'b12x' is always the plan select_plan picks)")
     ap.add_argument("--tag", default="h200")
     ap.add_argument("--flex-rows", default="", help="only these rows get FlexAttention (its compile is slow), "
                     "e.g. 'decode 8x8192,extend 1x16384'; default all")
@@ -462,7 +478,11 @@ def main(argv) -> None:
         except Exception as e:
             log(f"flashinfer not importable ({type(e).__name__}: {e}); skipped")
             peers.discard("flashinfer")
-    sweep = [tuple(int(y) for y in x.split(":")) for x in args.variants.split(",") if x]
+    sweep = []
+    for x in (x for x in args.variants.split(",") if x):
+        fam, rest = x.split(":", 1) if not x.split(":")[0].isdigit() else ("", x)
+        sweep.append((fam, tuple(int(y) for y in rest.split(":"))))
+    families = [f for f in args.families.split(",") if f]
     rows = set(args.rows.split(","))
     versions = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
                     date=datetime.datetime.now(datetime.timezone.utc)
@@ -501,7 +521,7 @@ def main(argv) -> None:
         label = f"{mode}{'-fp8' if dt == fp8 else ''} {b}x{n}"
         if flex_rows and label not in flex_rows:
             row_peers = peers - {"flex"}
-        results.append(run_row(mode, b, n, s, dt, row_peers, sweep, bw))
+        results.append(run_row(mode, b, n, s, dt, row_peers, sweep, bw, families))
     os.makedirs(args.out, exist_ok=True)
     doc = dict(versions=versions, copy_bandwidth_tbps=bw, copy_bandwidth_by_method=bw_all, argv=list(argv),
                shape=dict(hq=HQ, hkv=HKV, d=D, page_size=PAGE), rows=results, seconds=time.time() - t0)
