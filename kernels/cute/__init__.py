@@ -6,6 +6,10 @@ without an explicit stream is silently left out of a CUDA-graph capture) and the
 which combines the splits with the sink into `out` and `lse`; it writes only out, lse and the plan's
 scratch, allocates nothing and never syncs. `precompile` compiles the kernel for a plan ahead (in memory,
 and in the DSL's own file cache on disk), so no compile ever happens inside a capture.
+
+The kernels also compile on a machine without a GPU, which catches DSL errors before any device time:
+`cute.compile(SplitKernel(...), *fake_args, options="--gpu-arch sm_90a")` as `_compiled` builds it (without
+a GPU the DSL targets sm_100a by default; CUTE_DSL_KEEP=ptx with CUTE_DSL_DUMP_DIR keeps the PTX).
 """
 
 from __future__ import annotations
