@@ -55,12 +55,6 @@ def supports(problem) -> bool:
             and problem.kv_layout in ("NHD", "HND") and problem.page_size >= 1)
 
 
-def fits(problem, *, block_n: int, num_stages: int, num_warps: int) -> bool:
-    """Whether a tile configuration fits the split kernel for this problem (threads, shared memory)."""
-    return geometry(d=problem.head_dim, rows=problem.q_len * problem.group, kv_bits=8 * problem.kv_dtype.itemsize,
-                    tile_n=block_n, stages=num_stages, num_warps=num_warps) is not None
-
-
 def geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, num_warps: int) -> dict | None:
     """The split kernel's thread geometry (decode.py), or None where the configuration does not fit.
 
@@ -117,17 +111,18 @@ def _compiled(key):
     def ptr(dt, align=4):
         return make_ptr(dt, 1 << 20, gmem, assumed_align=align)
 
-    args = [ptr(qt, q_dtype.itemsize), ptr(kvt, 16), ptr(kvt, 16), ptr(Int32), ptr(Int32), ptr(Int32), ptr(Float32), ptr(Float32),
-            ptr(Float32), ptr(Float32), Int32(1), *[Int64(1)] * 10, *[Int32(0)] * 7, Int32(-1), Float32(1.0),
-            Float32(1.0), make_fake_stream()]
+    args = [ptr(qt, q_dtype.itemsize), ptr(kvt, 16), ptr(kvt, 16), ptr(Int32), ptr(Int32), ptr(Int32),
+            ptr(Float32), ptr(Float32), ptr(Float32), ptr(Float32), Int32(1), *[Int64(1)] * 10, *[Int32(0)] * 7,
+            Int32(-1), Float32(1.0), Float32(1.0), make_fake_stream()]
     return cute.compile(kernel, *args)
 
 
 def _key(shapes, plan: dict, options: dict) -> tuple:
     softcap = float(options["softcap"])
     return (shapes["d"], shapes["q_len"], shapes["hq"] // shapes["hkv"], shapes["hkv"], shapes["page_size"],
-            plan["num_splits"], plan["block_n"], plan["num_stages"], plan["num_warps"], shapes["q_dtype"], shapes["kv_dtype"],
-            bool(options["causal"]) and shapes["q_len"] > 1, int(options["window_left"]) >= 0, softcap > 0)
+            plan["num_splits"], plan["block_n"], plan["num_stages"], plan["num_warps"], shapes["q_dtype"],
+            shapes["kv_dtype"], bool(options["causal"]) and shapes["q_len"] > 1, int(options["window_left"]) >= 0,
+            softcap > 0)
 
 
 def _check_aligned(name: str, t: torch.Tensor, elems: int) -> None:
@@ -190,7 +185,8 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     with torch.cuda.device(q.device):
         compiled(
             ptr(q, align=q.element_size()), ptr(k_cache, align=16), ptr(v_cache, align=16), ptr(pt, i32),
-            ptr(tensors["cache_seqlens"], i32), kv_start_p, kds_p, vds_p, ptr(part_o, f32), ptr(part_l, f32), Int32(batch),
+            ptr(tensors["cache_seqlens"], i32), kv_start_p, kds_p, vds_p, ptr(part_o, f32), ptr(part_l, f32),
+            Int32(batch),
             Int64(q.stride(0)), Int64(q.stride(1)), Int64(q.stride(2)), Int64(kp), Int64(ko), Int64(kh),
             Int64(vp), Int64(vo), Int64(vh), Int64(pt.stride(0)),
             Int32(ds_strides(kds)[0]), Int32(ds_strides(kds)[1]), Int32(ds_strides(vds)[0]),
