@@ -190,14 +190,15 @@ def _triton_plan(problem: Problem) -> Plan:
 
 # CuTe DSL tiles (kernels/cute/decode.py): one CTA per (request, KV head, split) with all S x G query rows,
 # a cp.async ring of `num_stages` tiles of `block_n` keys. Split count: the Triton rule. Measured on the H200
-# (h200.md, "CuTe DSL"): 64-key tiles, 2 stages and 4 warps beat 128-key tiles, 3 stages and 8 warps.
-_CUTE_TILE = dict(block_n=64, num_stages=2, num_warps=4)
+# (h200.md, "CuTe DSL"): 64-key tiles, 2 stages and 4 warps beat 128-key tiles, 3 stages and 8 warps. block_m
+# 16 selects the tensor-core kernel (decode_mma.py); it is not picked until its 128-key tests ran on a GPU.
+_CUTE_TILE = dict(block_m=1, block_n=64, num_stages=2, num_warps=4)  # block_m 1: CUDA cores, 16: tensor cores
 
 
 def _cute_plan(problem: Problem) -> Plan:
     num_splits = _split_count(problem, problem.batch * problem.num_kv_heads)
-    return Plan(mode=problem.mode, family="cute", num_splits=num_splits, block_m=problem.q_len * problem.group,
-                **_CUTE_TILE, scratch_bytes=split_scratch_bytes(problem, num_splits, always=True))
+    return Plan(mode=problem.mode, family="cute", num_splits=num_splits, **_CUTE_TILE,
+                scratch_bytes=split_scratch_bytes(problem, num_splits, always=True))
 
 
 def _cute_measured_faster(problem: Problem) -> bool:

@@ -47,8 +47,9 @@ def make_problem(*, batch=3, q_len=1, hq=8, hkv=2, d=64, page_size=4, max_pages=
     )
 
 
-def run_family(t, options, family, out=None):
-    """Runs one family's plan for the inputs through kernels.run_entry (the entry ops' path)."""
+def run_family(t, options, family, out=None, overrides=None):
+    """Runs one family's plan (with `overrides` of its tile fields) for the inputs through kernels.run_entry
+    (the entry ops' path). Returns out, lse, the plan and a zero-argument call that runs it again."""
     from b12x_inductor import validate
     from b12x_inductor.kernels import run_entry
     from b12x_inductor.ops import entry_options
@@ -60,6 +61,10 @@ def run_family(t, options, family, out=None):
         window_left=options.get("window_left", -1), kv_start=t["kv_start"], sinks=t["sinks"],
         softcap=options.get("softcap", 0.0), k_descale=t["k_descale"], v_descale=t["v_descale"], out=None)
     plan = family_plan(problem, family)
+    if overrides:
+        import dataclasses
+
+        plan = dataclasses.replace(plan, **overrides)
     q = t["q"]
     out = torch.full_like(q, float("nan")) if out is None else out
     lse = torch.full(q.shape[:-1], float("nan"), device=q.device)

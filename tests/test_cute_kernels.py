@@ -50,7 +50,7 @@ def test_cute_family_plan_always_has_scratch():
 
     p = _problem(batch=128, max_pages=64)
     plan = family_plan(p, "cute")
-    assert plan.family == "cute" and plan.block_m == 4 and plan.block_n == 64
+    assert plan.family == "cute" and plan.block_m == 1 and plan.block_n == 64
     assert plan.scratch_bytes == split_scratch_bytes(p, plan.num_splits, always=True) > 0
     assert family_plan(_problem(kv_dtype=F8), "cute").num_stages == 2
 
@@ -118,13 +118,20 @@ def _reference(t, options):
     return paged_attention_reference(**t, **options)
 
 
+# the family's two kernels: CUDA-core products (decode.py) and tensor-core products (decode_mma.py, D <= 128)
+VARIANTS = {"cudacore": {}, "tensorcore": dict(block_m=16), "tensorcore_n128": dict(block_m=16, block_n=128)}
+
+
 @pytest.mark.gpu
 @needs_cute
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("name,kw,options", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_gpu_cute_matches_reference(name, kw, options):
+def test_gpu_cute_matches_reference(name, kw, options, variant):
+    if VARIANTS[variant] and kw["d"] > 128:
+        pytest.skip("the tensor-core kernel takes D <= 128")
     options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
     t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000)
-    out, lse, plan, _ = run_family(t, options, "cute")
+    out, lse, plan, _ = run_family(t, options, "cute", overrides=VARIANTS[variant])
     torch.cuda.synchronize()
     assert plan.family == "cute"
     check_close(out, lse, *_reference(t, options), what=f"{name} {plan}")
@@ -132,15 +139,16 @@ def test_gpu_cute_matches_reference(name, kw, options):
 
 @pytest.mark.gpu
 @needs_cute
+@pytest.mark.parametrize("variant", ["cudacore", "tensorcore"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, F8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("q_len", [1, 4], ids=["decode", "verify"])
-def test_gpu_cute_cuda_graph_replay(q_len, kv_dtype):
+def test_gpu_cute_cuda_graph_replay(q_len, kv_dtype, variant):
     """Capture once; poison the outputs, change lengths and page tables in place, replay, compare."""
     kw = dict(batch=3, q_len=q_len, hq=16, hkv=4, d=128, page_size=16, lens=[500, 260, 70], spare_pages=4,
               kv_dtype=kv_dtype, descale="bh" if kv_dtype == F8 else None)
     t = make_inputs(**kw, device="cuda", seed=7)
     options = dict(kv_layout="NHD")
-    out, lse, plan, call = run_family(t, options, "cute")  # compiles outside the capture
+    out, lse, plan, call = run_family(t, options, "cute", overrides=VARIANTS[variant])  # compiles before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -160,7 +168,8 @@ def test_gpu_cute_cuda_graph_replay(q_len, kv_dtype):
 
 @pytest.mark.gpu
 @needs_cute
-def test_gpu_cute_compile_reduce_overhead_no_skip_no_recompile(monkeypatch):
+@pytest.mark.parametrize("variant", ["cudacore", "tensorcore"])
+def test_gpu_cute_compile_reduce_overhead_no_skip_no_recompile(monkeypatch, variant):
     """With select_plan picking the CuTe family: compiled decode over changing lengths, no recompile, no skip."""
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -170,6 +179,7 @@ def test_gpu_cute_compile_reduce_overhead_no_skip_no_recompile(monkeypatch):
     from b12x_inductor import plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "_cute_measured_faster", lambda problem: True)
+    monkeypatch.setattr(plan_mod, "_CUTE_TILE", {**plan_mod._CUTE_TILE, **VARIANTS[variant]})
     ops.plan_for.cache_clear()
     t = make_inputs(batch=4, hq=32, hkv=8, d=128, page_size=16, lens=[300, 200, 100, 50], spare_pages=8,
                     device="cuda", seed=11, kv_dtype=F8, descale="bh")
@@ -198,6 +208,7 @@ def test_gpu_cute_compile_reduce_overhead_no_skip_no_recompile(monkeypatch):
             causal=True, scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0,
             k_descale=t["k_descale"], v_descale=t["v_descale"], out=None)
         assert ops.plan_for(problem).family == "cute"
+        assert ops.plan_for(problem).block_m == {"cudacore": 1, "tensorcore": 16}[variant]
     finally:
         ops.plan_for.cache_clear()
         torch._dynamo.reset()

@@ -1,4 +1,5 @@
-"""The CuTe DSL kernel family (Hopper): decode and verify (decode.py); extend stays with Triton.
+"""The CuTe DSL kernel family (Hopper): decode and verify on the CUDA cores (decode.py) or the tensor cores
+(decode_mma.py); extend stays with Triton.
 
 Optional: it needs nvidia-cutlass-dsl (`pip install b12x-inductor[cute]`); without it `available()` is False
 and every plan runs on Triton. `run` launches the split kernel on torch's current stream (a CuTe launch
@@ -24,6 +25,7 @@ FP8 = torch.float8_e4m3fn
 HEAD_DIMS = (64, 128, 256)
 MAX_ROWS = 16  # query rows (S x Hq / Hkv) per CTA: the per-thread accumulators are rows x 2-4 fp32
 KEYS_PER_THREAD = 2  # score phase: keys per thread (each q read serves both)
+MMA_M = 16  # a plan's block_m: 16 = the tensor-core kernel (one m16 tile of query rows), 1 = the CUDA-core one
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 
 # Compute capabilities the GPU tests (tests/test_cute_kernels.py -m gpu) have passed on.
@@ -83,6 +85,27 @@ def geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, num_w
                 ring_bytes=ring_bytes, smem_bytes=smem_bytes)
 
 
+def mma_geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, num_warps: int) -> dict | None:
+    """The tensor-core split kernel's geometry (decode_mma.py), or None where it does not fit: one m16 tile
+    of query rows, tile_n / num_warps = 16 or 32 keys per warp per tile, D <= 128 (the fp32 output fragments
+    take D / 2 registers per thread)."""
+    threads = 32 * num_warps
+    vec = 128 // kv_bits
+    chunks = d // vec
+    if tile_n % num_warps or tile_n // num_warps not in (16, 32):
+        return None
+    if rows > 16 or d not in (64, 128) or (tile_n * chunks) % threads:
+        return None
+    tile_bytes = tile_n * d * kv_bits // 8
+    ring_bytes = max(2 * stages * tile_bytes, 4 * num_warps * 16 * d)  # later: the warps' partial outputs
+    smem_bytes = ring_bytes + 2 * 4 * num_warps * 16 + 256
+    if smem_bytes > SMEM_LIMIT:
+        return None
+    return dict(d=d, rows=rows, tile_n=tile_n, keys_per_warp=tile_n // num_warps, stages=stages, warps=num_warps,
+                threads=threads, vec=vec, chunks=chunks, swizzle=min(chunks, 8) - 1, tile_bytes=tile_bytes,
+                ring_bytes=ring_bytes, smem_bytes=smem_bytes)
+
+
 def _cutlass_dtype(dtype):
     import cutlass
 
@@ -92,20 +115,24 @@ def _cutlass_dtype(dtype):
 
 @functools.cache
 def _compiled(key):
-    """The compiled split kernel for one key (d, s, g, hkv, page, num_splits, block_n, stages, warps,
-    q dtype, kv dtype, causal, use_window, use_softcap); cute.compile also keeps it in the DSL's file cache."""
+    """The compiled split kernel for one key (d, s, g, hkv, page, num_splits, block_m, block_n, stages, warps,
+    q dtype, kv dtype, causal, use_window, use_softcap): block_m 16 is the tensor-core kernel (decode_mma.py),
+    1 the CUDA-core one (decode.py). cute.compile also keeps it in the DSL's file cache."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     from .decode import SplitKernel
+    from .decode_mma import MmaSplitKernel
 
-    d, s, g, hkv, page, splits, tile_n, stages, warps, q_dtype, kv_dtype, causal, use_window, use_softcap = key
+    (d, s, g, hkv, page, splits, block_m, tile_n, stages, warps, q_dtype, kv_dtype, causal, use_window,
+     use_softcap) = key
     qt, kvt = _cutlass_dtype(q_dtype), _cutlass_dtype(kv_dtype)
-    kernel = SplitKernel(d=d, s=s, g=g, hkv=hkv, page=page, num_splits=splits, tile_n=tile_n, stages=stages,
-                         num_warps=warps, q_dtype=qt, kv_dtype=kvt, causal=causal, use_window=use_window,
-                         use_softcap=use_softcap)
+    kernel_class = MmaSplitKernel if block_m == MMA_M else SplitKernel
+    kernel = kernel_class(d=d, s=s, g=g, hkv=hkv, page=page, num_splits=splits, tile_n=tile_n, stages=stages,
+                          num_warps=warps, q_dtype=qt, kv_dtype=kvt, causal=causal, use_window=use_window,
+                          use_softcap=use_softcap)
     gmem = cute.AddressSpace.gmem
 
     def ptr(dt, align=4):
@@ -120,7 +147,8 @@ def _compiled(key):
 def _key(shapes, plan: dict, options: dict) -> tuple:
     softcap = float(options["softcap"])
     return (shapes["d"], shapes["q_len"], shapes["hq"] // shapes["hkv"], shapes["hkv"], shapes["page_size"],
-            plan["num_splits"], plan["block_n"], plan["num_stages"], plan["num_warps"], shapes["q_dtype"],
+            plan["num_splits"], plan["block_m"], plan["block_n"], plan["num_stages"], plan["num_warps"],
+            shapes["q_dtype"],
             shapes["kv_dtype"], bool(options["causal"]) and shapes["q_len"] > 1, int(options["window_left"]) >= 0,
             softcap > 0)
 

@@ -1,0 +1,338 @@
+"""Decode and verify in CuTe DSL on the tensor cores (mma.sync m16n8k16), same contract as decode.py.
+
+The query rows of one KV head (at most 16: S x G) fill one m16 tile; each of the CTA's warps takes its own
+16 or 32 keys of every tile and keeps its own online softmax, so warps meet only at the one barrier that
+hands over a cp.async stage (decode.py's loader and swizzled ring) and at the end, where the warps' partial
+results are merged in shared memory. Per warp and tile: S = Q K^T (KW/8 n-tiles x D/16 k-steps), masks and
+softmax on the accumulator fragments, O += P V (D/8 n-tiles x KW/16 k-steps). Float8 caches are widened in
+registers: K pairs with one cvt.rn.f16x2.e4m3x2, V bytes of two keys packed then widened; the products of
+a float8 (or fp16) cache run in fp16, of a bf16 cache in bf16, always accumulating in fp32.
+
+Fragment layouts (PTX ISA, mma.m16n8k16, g = lane // 4, t = lane % 4): A registers (row g, cols 2t..2t+1),
+(row g+8, same), (row g, cols 2t+8..), (row g+8, cols 2t+8..); B registers (k 2t..2t+1, n g), (k 2t+8.., n g);
+C (row g, cols 2t, 2t+1), (row g+8, cols 2t, 2t+1). The accumulators of two S n-tiles are the A registers of
+P for the P V step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint8, Uint16, Uint32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from b12x_inductor.kernels.cute import mma_geometry
+from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG, SplitKernel
+
+
+@dsl_user_op
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, bf16: bool, loc=None, ip=None):
+    kind = "bf16" if bf16 else "f16"
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
+        [Uint32(a0).ir_value(loc=loc, ip=ip), Uint32(a1).ir_value(loc=loc, ip=ip),
+         Uint32(a2).ir_value(loc=loc, ip=ip), Uint32(a3).ir_value(loc=loc, ip=ip),
+         Uint32(b0).ir_value(loc=loc, ip=ip), Uint32(b1).ir_value(loc=loc, ip=ip),
+         Float32(c0).ir_value(loc=loc, ip=ip), Float32(c1).ir_value(loc=loc, ip=ip),
+         Float32(c2).ir_value(loc=loc, ip=ip), Float32(c3).ir_value(loc=loc, ip=ip)],
+        f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, {{$8,$9}}, "
+        "{$10,$11,$12,$13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def _pack2(lo, hi, *, bf16: bool, loc=None, ip=None):
+    """Two fp32 values -> one register of two 16-bit floats (lo in the lower half)."""
+    kind = "bf16x2" if bf16 else "f16x2"
+    return Uint32(llvm.inline_asm(
+        T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _e4m3x2_to_f16x2(x, *, loc=None, ip=None):
+    """Two float8_e4m3 values in a 16-bit word -> two fp16 in one register (order kept)."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [Uint16(x).ir_value(loc=loc, ip=ip)], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+class MmaSplitKernel(SplitKernel):
+    """The tensor-core split kernel for one set of compile-time constants."""
+
+    def __init__(self, *, d: int, s: int, g: int, hkv: int, page: int, num_splits: int, tile_n: int, stages: int,
+                 num_warps: int, q_dtype, kv_dtype, causal: bool, use_window: bool, use_softcap: bool):
+        geo = mma_geometry(d=d, rows=s * g, kv_bits=kv_dtype.width, tile_n=tile_n, stages=stages,
+                           num_warps=num_warps)
+        assert geo is not None, "the plan's tile does not fit this kernel (kernels/cute/__init__.py: mma_geometry)"
+        self.__dict__.update(geo)
+        self.s, self.g, self.hkv, self.page, self.num_splits = s, g, hkv, page, num_splits
+        self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
+        self.causal, self.use_window, self.use_softcap = causal, use_window, use_softcap
+        self.fp8 = kv_dtype.width == 8
+        self.bf16_ops = (not self.fp8) and q_dtype is cutlass.BFloat16
+
+    @cute.kernel
+    def kernel(
+        self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer,
+        seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, kds_ptr: cute.Pointer, vds_ptr: cute.Pointer,
+        part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
+        q_sb: Int64, q_ss: Int64, q_sh: Int64, k_sp: Int64, k_so: Int64, k_sh: Int64,
+        v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
+        kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
+        has_kv_start: Int32, has_kds: Int32, has_vds: Int32,
+        window_left: Int32, sm_scale: Float32, softcap: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        split, h, b = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        gq = lane // 4  # fragment row group
+        tq = lane % 4  # fragment column pair
+        TILE_N = const_expr(self.tile_n)
+        THREADS = const_expr(self.threads)
+        WARPS = const_expr(self.warps)
+        D = const_expr(self.d)
+        S = const_expr(self.s)
+        G = const_expr(self.g)
+        R = const_expr(self.rows)
+        VEC = const_expr(self.vec)
+        CH = const_expr(self.chunks)
+        NS = const_expr(self.stages)
+        HQ = const_expr(self.hkv * self.g)
+        KSTEPS = const_expr(D // 16)
+        NTILES = const_expr(D // 8)
+        KW = const_expr(self.keys_per_warp)  # keys of each tile per warp: KW / 8 S n-tiles, KW / 16 P V k-steps
+        BF = const_expr(self.bf16_ops)
+        kvt = self.kv_dtype
+
+        # ---- shared memory: the K/V ring (later: the warps' partial outputs), the warps' row stats ----
+        smem = cutlass.utils.SmemAllocator()
+        kv_layout = cute.make_layout((NS, TILE_N, CH, VEC), stride=(TILE_N * D, D, VEC, 1))
+        ring_raw = smem.allocate(self.ring_bytes, byte_alignment=128)
+        ring = cute.recast_ptr(ring_raw, dtype=kvt)
+        sK = cute.make_tensor(ring, kv_layout)
+        sV = cute.make_tensor(ring + NS * TILE_N * D, kv_layout)
+        if const_expr(self.fp8):
+            k16 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint16), cute.make_layout((1 << 24,)))
+            v8 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint8), cute.make_layout((1 << 24,)))
+        else:
+            k32 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint32), cute.make_layout((1 << 24,)))
+            v16 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint16), cute.make_layout((1 << 24,)))
+        sM = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16), stride=(16, 1)), byte_alignment=16)
+        sL = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16), stride=(16, 1)), byte_alignment=16)
+
+        # ---- the split's key range, from the live length (device-side) ----
+        seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout((1 << 30,)))
+        length = Int32(seqlens[b])
+        start = Int32(0)
+        if has_kv_start != 0:
+            kvs = cute.make_tensor(kv_start_ptr, cute.make_layout((1 << 30,)))
+            start = cutlass.max(Int32(kvs[b]), Int32(0))
+        lo = start
+        if const_expr(self.use_window):
+            lo = cutlass.max(lo, length - S - window_left)
+        hi = length
+        span = cutlass.max(hi - lo, Int32(0))
+        per_split = (span + self.num_splits - 1) // self.num_splits
+        chunk = (per_split + TILE_N - 1) // TILE_N * TILE_N
+        s_lo = lo + split * chunk
+        s_hi = cutlass.min(s_lo + chunk, hi)
+        n_tiles = cutlass.max((s_hi - s_lo + TILE_N - 1) // TILE_N, Int32(0))
+
+        k_scale = sm_scale * Float32(LOG2E)
+        if has_kds != 0:
+            kds = cute.make_tensor(kds_ptr, cute.make_layout((1 << 30,)))
+            k_scale = k_scale * Float32(kds[b * kds_b + h * kds_h])
+        v_scale = Float32(1.0)
+        if has_vds != 0:
+            vds = cute.make_tensor(vds_ptr, cute.make_layout((1 << 30,)))
+            v_scale = Float32(vds[b * vds_b + h * vds_h])
+
+        # ---- q rows -> A fragments (registers), zero past the R live rows ----
+        q_rows = cute.make_tensor(q_ptr, cute.make_layout((1 << 30,)))
+        qa = cute.make_rmem_tensor((KSTEPS, 4), Uint32)
+        for ks in cutlass.range_constexpr(KSTEPS):
+            for reg in cutlass.range_constexpr(4):
+                r = gq + 8 * (reg % 2)
+                col = ks * 16 + 2 * tq + 8 * (reg // 2)
+                x0 = Float32(0.0)
+                x1 = Float32(0.0)
+                if r < R:
+                    off = Int64(b) * q_sb + Int64(r // G) * q_ss + Int64(h * G + r % G) * q_sh + Int64(col)
+                    x0 = Float32(q_rows[off])
+                    x1 = Float32(q_rows[off + 1])
+                qa[ks, reg] = _pack2(x0, x1, bf16=BF)
+
+        pt_row = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
+        k_base = k_ptr.toint() + Int64(h) * k_sh * (kvt.width // 8)
+        v_base = v_ptr.toint() + Int64(h) * v_sh * (kvt.width // 8)
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), kvt,
+                                   num_bits_per_copy=128)
+
+        acc = cute.make_rmem_tensor((NTILES, 4), Float32)
+        for nt in cutlass.range_constexpr(NTILES):
+            for c in cutlass.range_constexpr(4):
+                acc[nt, c] = Float32(0.0)
+        m_run = cute.make_rmem_tensor((2,), Float32)
+        l_run = cute.make_rmem_tensor((2,), Float32)
+        for i in cutlass.range_constexpr(2):
+            m_run[i] = Float32(NEG_BIG)
+            l_run[i] = Float32(0.0)
+        limit0 = length - S + cutlass.min(gq, R - 1) // G  # causal limits of rows gq and gq + 8
+        limit1 = length - S + cutlass.min(gq + 8, R - 1) // G
+
+        for st in cutlass.range_constexpr(NS - 1):
+            if st < n_tiles:
+                self._load_tile(k_base, v_base, pt_row, sK, sV, atom, s_lo + st * TILE_N, s_hi, Int32(st), tidx,
+                                k_sp, k_so, v_sp, v_so)
+            cute.arch.cp_async_commit_group()
+
+        for it in cutlass.range(n_tiles, unroll=1):
+            stage = it % NS
+            cute.arch.cp_async_wait_group(NS - 2)
+            cute.arch.barrier()
+            nxt = it + NS - 1
+            if nxt < n_tiles:
+                self._load_tile(k_base, v_base, pt_row, sK, sV, atom, s_lo + nxt * TILE_N, s_hi, nxt % NS, tidx,
+                                k_sp, k_so, v_sp, v_so)
+            cute.arch.cp_async_commit_group()
+            key0 = warp * KW  # this warp's keys of the tile
+            kbase = stage * (TILE_N * D)
+            vbase = NS * TILE_N * D + stage * (TILE_N * D)
+
+            # S = Q K^T: two n-tiles of 8 keys
+            sacc = cute.make_rmem_tensor((KW // 8, 4), Float32)
+            for t in cutlass.range_constexpr(KW // 8):
+                for c in cutlass.range_constexpr(4):
+                    sacc[t, c] = Float32(0.0)
+                n = key0 + 8 * t + gq
+                sw = n & self.swizzle
+                for ks in cutlass.range_constexpr(KSTEPS):
+                    bregs = cute.make_rmem_tensor((2,), Uint32)
+                    for half in cutlass.range_constexpr(2):
+                        k = ks * 16 + 2 * tq + 8 * half
+                        e = kbase + n * D + (((k // VEC) ^ sw) * VEC) + k % VEC
+                        if const_expr(self.fp8):
+                            bregs[half] = _e4m3x2_to_f16x2(k16[e // 2])
+                        else:
+                            bregs[half] = k32[e // 2]
+                    out4 = _mma(qa[ks, 0], qa[ks, 1], qa[ks, 2], qa[ks, 3], bregs[0], bregs[1],
+                                sacc[t, 0], sacc[t, 1], sacc[t, 2], sacc[t, 3], bf16=BF)
+                    for c in cutlass.range_constexpr(4):
+                        sacc[t, c] = out4[c]
+
+            # masks, scale and the online softmax of rows gq (c 0, 1) and gq + 8 (c 2, 3)
+            tile_lo = s_lo + it * TILE_N
+            for t in cutlass.range_constexpr(KW // 8):
+                for c in cutlass.range_constexpr(4):
+                    j = tile_lo + key0 + 8 * t + 2 * tq + c % 2
+                    x = sacc[t, c]
+                    if const_expr(self.use_softcap):
+                        y = x * (k_scale / (softcap * Float32(LOG2E)))
+                        x = softcap * Float32(LOG2E) * (Float32(1.0) - Float32(2.0) / (
+                            cute.math.exp(Float32(2.0) * y) + Float32(1.0)))
+                    else:
+                        x = x * k_scale
+                    limit = limit0 if c < 2 else limit1
+                    visible = (j < s_hi) & (j >= start)
+                    if const_expr(self.causal):
+                        visible = visible & (j <= limit)
+                    if const_expr(self.use_window):
+                        visible = visible & (j >= limit - window_left)
+                    sacc[t, c] = x if visible else Float32(-math.inf)
+            for i in cutlass.range_constexpr(2):
+                t_max = Float32(NEG_BIG)
+                for t in cutlass.range_constexpr(KW // 8):
+                    t_max = cutlass.max(t_max, cutlass.max(sacc[t, 2 * i], sacc[t, 2 * i + 1]))
+                t_max = cutlass.max(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=1))
+                t_max = cutlass.max(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=2))
+                m_new = cutlass.max(m_run[i], t_max)
+                alpha = cute.arch.exp2(m_run[i] - m_new)
+                m_run[i] = m_new
+                psum = Float32(0.0)
+                for t in cutlass.range_constexpr(KW // 8):
+                    for c in cutlass.range_constexpr(2):
+                        p = cute.arch.exp2(sacc[t, 2 * i + c] - m_new)
+                        sacc[t, 2 * i + c] = p
+                        psum = psum + p
+                l_run[i] = l_run[i] * alpha + psum
+                for nt in cutlass.range_constexpr(NTILES):
+                    acc[nt, 2 * i] = acc[nt, 2 * i] * alpha
+                    acc[nt, 2 * i + 1] = acc[nt, 2 * i + 1] * alpha
+
+            # O += P V: P's A registers from the two S n-tiles, V's B registers two keys at a time
+            for kk in cutlass.range_constexpr(KW // 16):
+                pa0 = _pack2(sacc[2 * kk, 0], sacc[2 * kk, 1], bf16=BF)
+                pa1 = _pack2(sacc[2 * kk, 2], sacc[2 * kk, 3], bf16=BF)
+                pa2 = _pack2(sacc[2 * kk + 1, 0], sacc[2 * kk + 1, 1], bf16=BF)
+                pa3 = _pack2(sacc[2 * kk + 1, 2], sacc[2 * kk + 1, 3], bf16=BF)
+                for nt in cutlass.range_constexpr(NTILES):
+                    col = nt * 8 + gq
+                    bregs = cute.make_rmem_tensor((2,), Uint32)
+                    for half in cutlass.range_constexpr(2):
+                        ka = key0 + 16 * kk + 2 * tq + 8 * half
+                        kb = ka + 1
+                        ea = vbase + ka * D + (((col // VEC) ^ (ka & self.swizzle)) * VEC) + col % VEC
+                        eb = vbase + kb * D + (((col // VEC) ^ (kb & self.swizzle)) * VEC) + col % VEC
+                        if const_expr(self.fp8):
+                            pair = Uint16(Uint16(v8[ea]) | (Uint16(v8[eb]) << 8))
+                            bregs[half] = _e4m3x2_to_f16x2(pair)
+                        else:
+                            bregs[half] = Uint32(v16[ea]) | (Uint32(v16[eb]) << 16)
+                    out4 = _mma(pa0, pa1, pa2, pa3, bregs[0], bregs[1], acc[nt, 0], acc[nt, 1], acc[nt, 2],
+                                acc[nt, 3], bf16=BF)
+                    for c in cutlass.range_constexpr(4):
+                        acc[nt, c] = out4[c]
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+
+        # ---- merge the warps: row stats and partial outputs through shared memory ----
+        for i in cutlass.range_constexpr(2):
+            l_tot = l_run[i]
+            l_tot = l_tot + cute.arch.shuffle_sync_bfly(l_tot, offset=1)
+            l_tot = l_tot + cute.arch.shuffle_sync_bfly(l_tot, offset=2)
+            if tq == 0:
+                sM[warp, gq + 8 * i] = m_run[i]
+                sL[warp, gq + 8 * i] = l_tot
+        red = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Float32),
+                               cute.make_layout((WARPS, 16, D), stride=(16 * D, D, 1)))
+        for nt in cutlass.range_constexpr(NTILES):
+            for c in cutlass.range_constexpr(4):
+                red[warp, gq + 8 * (c // 2), nt * 8 + 2 * tq + c % 2] = acc[nt, c]
+        cute.arch.barrier()
+        part_o = cute.make_tensor(part_o_ptr, cute.make_layout((1 << 30,)))
+        part_l = cute.make_tensor(part_l_ptr, cute.make_layout((1 << 30,)))
+        for i in cutlass.range_constexpr((R * D + THREADS - 1) // THREADS):
+            e = tidx + i * THREADS
+            if e < R * D:
+                r = e // D
+                col = e % D
+                m = Float32(NEG_BIG)
+                for w in cutlass.range_constexpr(WARPS):
+                    m = cutlass.max(m, sM[w, r])
+                total = Float32(0.0)
+                l_r = Float32(0.0)
+                for w in cutlass.range_constexpr(WARPS):
+                    f = cute.arch.exp2(sM[w, r] - m)
+                    total = total + red[w, r, col] * f
+                    l_r = l_r + sL[w, r] * f
+                o = Float32(0.0)
+                if l_r > Float32(0.0):
+                    o = total * (v_scale / l_r)
+                out_row = Int64((b * S + r // G) * HQ + h * G + r % G)
+                part = out_row * self.num_splits + Int64(split)
+                part_o[part * D + Int64(col)] = o
+                if col == 0:
+                    lse = Float32(-math.inf)
+                    if l_r > Float32(0.0):
+                        lse = m + cute.math.log2(l_r)
+                    part_l[part] = lse
