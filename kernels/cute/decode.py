@@ -106,6 +106,44 @@ class SplitKernel:
                     dst_k[e] = self.kv_dtype(0.0)
                     dst_v[e] = self.kv_dtype(0.0)
 
+    @cute.jit
+    def _split_range(self, seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, has_kv_start: Int32,
+                     window_left: Int32, split: Int32, b: Int32):
+        """(length, start, s_lo, s_hi, n_tiles): this split's visible key range [s_lo, s_hi), sized on the device
+        from the live length exactly as the Triton kernel does, in whole tiles."""
+        TILE_N = const_expr(self.tile_n)
+        seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout((1 << 30,)))
+        length = Int32(seqlens[b])
+        start = Int32(0)
+        if has_kv_start != 0:
+            kvs = cute.make_tensor(kv_start_ptr, cute.make_layout((1 << 30,)))
+            start = cutlass.max(Int32(kvs[b]), Int32(0))
+        lo = start
+        if const_expr(self.use_window):
+            lo = cutlass.max(lo, length - self.s - window_left)
+        hi = length
+        span = cutlass.max(hi - lo, Int32(0))
+        per_split = (span + self.num_splits - 1) // self.num_splits
+        chunk = (per_split + TILE_N - 1) // TILE_N * TILE_N
+        s_lo = lo + split * chunk
+        s_hi = cutlass.min(s_lo + chunk, hi)
+        n_tiles = cutlass.max((s_hi - s_lo + TILE_N - 1) // TILE_N, Int32(0))
+        return length, start, s_lo, s_hi, n_tiles
+
+    @cute.jit
+    def _scales(self, kds_ptr: cute.Pointer, vds_ptr: cute.Pointer, has_kds: Int32, has_vds: Int32, kds_b: Int32,
+                kds_h: Int32, vds_b: Int32, vds_h: Int32, sm_scale: Float32, b: Int32, h: Int32):
+        """(k_scale, v_scale): the logit scale in the log2 domain with the K descale folded in; the V descale."""
+        k_scale = sm_scale * Float32(LOG2E)
+        if has_kds != 0:
+            kds = cute.make_tensor(kds_ptr, cute.make_layout((1 << 30,)))
+            k_scale = k_scale * Float32(kds[b * kds_b + h * kds_h])
+        v_scale = Float32(1.0)
+        if has_vds != 0:
+            vds = cute.make_tensor(vds_ptr, cute.make_layout((1 << 30,)))
+            v_scale = Float32(vds[b * vds_b + h * vds_h])
+        return k_scale, v_scale
+
     @cute.kernel
     def kernel(
         self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer,
@@ -134,7 +172,6 @@ class SplitKernel:
         PARTS = const_expr(self.parts)
         CPT = const_expr(self.cpt)
         KP = const_expr(self.key_parts)
-        HQ = const_expr(self.hkv * self.g)
         kvt = self.kv_dtype
 
         # ---- shared memory ----
@@ -152,31 +189,9 @@ class SplitKernel:
         sL = smem.allocate_tensor(Float32, cute.make_layout((R,)), byte_alignment=16)
 
         # ---- the split's key range, from the live length (device-side) ----
-        seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout((1 << 30,)))
-        length = Int32(seqlens[b])
-        start = Int32(0)
-        if has_kv_start != 0:
-            kvs = cute.make_tensor(kv_start_ptr, cute.make_layout((1 << 30,)))
-            start = cutlass.max(Int32(kvs[b]), Int32(0))
-        lo = start
-        if const_expr(self.use_window):
-            lo = cutlass.max(lo, length - S - window_left)
-        hi = length
-        span = cutlass.max(hi - lo, Int32(0))
-        per_split = (span + self.num_splits - 1) // self.num_splits
-        chunk = (per_split + TILE_N - 1) // TILE_N * TILE_N
-        s_lo = lo + split * chunk
-        s_hi = cutlass.min(s_lo + chunk, hi)
-        n_tiles = cutlass.max((s_hi - s_lo + TILE_N - 1) // TILE_N, Int32(0))
-
-        k_scale = sm_scale * Float32(LOG2E)
-        if has_kds != 0:
-            kds = cute.make_tensor(kds_ptr, cute.make_layout((1 << 30,)))
-            k_scale = k_scale * Float32(kds[b * kds_b + h * kds_h])
-        v_scale = Float32(1.0)
-        if has_vds != 0:
-            vds = cute.make_tensor(vds_ptr, cute.make_layout((1 << 30,)))
-            v_scale = Float32(vds[b * vds_b + h * vds_h])
+        length, start, s_lo, s_hi, n_tiles = self._split_range(seqlens_ptr, kv_start_ptr, has_kv_start, window_left,
+                                                               split, b)
+        k_scale, v_scale = self._scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h, sm_scale, b, h)
 
         # ---- q rows of this KV head -> shared memory (fp32) ----
         q_rows = cute.make_tensor(q_ptr, cute.make_layout((1 << 30,)))
@@ -344,7 +359,7 @@ class SplitKernel:
                 o = Float32(0.0)
                 if l_r > Float32(0.0):
                     o = total * (v_scale / l_r)
-                out_row = Int64((b * S + r // G) * HQ + h * G + r % G)
+                out_row = Int64((b * S + r // G) * (self.hkv * G) + h * G + r % G)
                 part = out_row * self.num_splits + Int64(split)
                 part_o[part * D + Int64(col)] = o
                 if col == 0:

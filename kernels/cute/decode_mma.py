@@ -79,6 +79,22 @@ class MmaSplitKernel(SplitKernel):
         self.fp8 = kv_dtype.width == 8
         self.bf16_ops = (not self.fp8) and q_dtype is cutlass.BFloat16
 
+    @cute.jit
+    def _store(self, part_o: cute.Tensor, part_l: cute.Tensor, b: Int32, h: Int32, split: Int32, r: Int32,
+               col: Int32, o: Float32, m: Float32, l_r: Float32):
+        """One element of the split's normalized partial output, and (column 0) the row's log2-sum-exp, in the
+        layout of the Triton merge kernel: row (b * S + token) * Hq + head, then split."""
+        D = const_expr(self.d)
+        G = const_expr(self.g)
+        out_row = Int64((b * self.s + r // G) * (self.hkv * G) + h * G + r % G)
+        part = out_row * self.num_splits + Int64(split)
+        part_o[part * D + Int64(col)] = o
+        if col == 0:
+            lse = Float32(-math.inf)
+            if l_r > Float32(0.0):
+                lse = m + cute.math.log2(l_r)
+            part_l[part] = lse
+
     @cute.kernel
     def kernel(
         self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer,
@@ -106,7 +122,6 @@ class MmaSplitKernel(SplitKernel):
         VEC = const_expr(self.vec)
         CH = const_expr(self.chunks)
         NS = const_expr(self.stages)
-        HQ = const_expr(self.hkv * self.g)
         KSTEPS = const_expr(D // 16)
         NTILES = const_expr(D // 8)
         KW = const_expr(self.keys_per_warp)  # keys of each tile per warp: KW / 8 S n-tiles, KW / 16 P V k-steps
@@ -130,31 +145,9 @@ class MmaSplitKernel(SplitKernel):
         sL = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16), stride=(16, 1)), byte_alignment=16)
 
         # ---- the split's key range, from the live length (device-side) ----
-        seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout((1 << 30,)))
-        length = Int32(seqlens[b])
-        start = Int32(0)
-        if has_kv_start != 0:
-            kvs = cute.make_tensor(kv_start_ptr, cute.make_layout((1 << 30,)))
-            start = cutlass.max(Int32(kvs[b]), Int32(0))
-        lo = start
-        if const_expr(self.use_window):
-            lo = cutlass.max(lo, length - S - window_left)
-        hi = length
-        span = cutlass.max(hi - lo, Int32(0))
-        per_split = (span + self.num_splits - 1) // self.num_splits
-        chunk = (per_split + TILE_N - 1) // TILE_N * TILE_N
-        s_lo = lo + split * chunk
-        s_hi = cutlass.min(s_lo + chunk, hi)
-        n_tiles = cutlass.max((s_hi - s_lo + TILE_N - 1) // TILE_N, Int32(0))
-
-        k_scale = sm_scale * Float32(LOG2E)
-        if has_kds != 0:
-            kds = cute.make_tensor(kds_ptr, cute.make_layout((1 << 30,)))
-            k_scale = k_scale * Float32(kds[b * kds_b + h * kds_h])
-        v_scale = Float32(1.0)
-        if has_vds != 0:
-            vds = cute.make_tensor(vds_ptr, cute.make_layout((1 << 30,)))
-            v_scale = Float32(vds[b * vds_b + h * vds_h])
+        length, start, s_lo, s_hi, n_tiles = self._split_range(seqlens_ptr, kv_start_ptr, has_kv_start, window_left,
+                                                               split, b)
+        k_scale, v_scale = self._scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h, sm_scale, b, h)
 
         # ---- q rows -> A fragments (registers), zero past the R live rows ----
         q_rows = cute.make_tensor(q_ptr, cute.make_layout((1 << 30,)))
@@ -328,11 +321,4 @@ class MmaSplitKernel(SplitKernel):
                 o = Float32(0.0)
                 if l_r > Float32(0.0):
                     o = total * (v_scale / l_r)
-                out_row = Int64((b * S + r // G) * HQ + h * G + r % G)
-                part = out_row * self.num_splits + Int64(split)
-                part_o[part * D + Int64(col)] = o
-                if col == 0:
-                    lse = Float32(-math.inf)
-                    if l_r > Float32(0.0):
-                        lse = m + cute.math.log2(l_r)
-                    part_l[part] = lse
+                self._store(part_o, part_l, b, h, split, r, col, o, m, l_r)
