@@ -65,7 +65,8 @@ class Plan:
     mode: str  # "decode" | "verify" | "extend"
     family: str  # kernel family: "torch" (vectorized torch), "triton", "cute"
     num_splits: int  # split-KV partitions per (request, KV head); 1 = no split, no merge
-    block_m: int  # query rows per tile (packed query heads x new tokens in decode/verify)
+    block_m: int  # query rows per tile (packed query heads x new tokens in decode/verify); cute: 1 = CUDA-core
+    #               products per row, 16 = one m16 tensor-core tile
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int

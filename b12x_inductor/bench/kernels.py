@@ -212,8 +212,8 @@ def b12x_call(s, mode, variant=None, family=None):
             b12x.paged_attention(s["q"], s["k_cache"], s["v_cache"], s["page_table"], s["cache_seqlens"],
                                  k_descale=s["k_descale"], v_descale=s["v_descale"], out=s["out"])
         return call, lambda: s["out"]
-    # one kernel family's plan (family_plan), with (num_splits, block_n, num_stages, num_warps) replaced where
-    # the variant gives a nonzero value
+    # one kernel family's plan (family_plan), with (num_splits, block_n, num_stages, num_warps, block_m)
+    # replaced where the variant gives a nonzero value
     import dataclasses
 
     from b12x_inductor import validate
@@ -460,7 +460,7 @@ def main(argv) -> None:
     ap.add_argument("--rows", default="decode,verify,extend,fp8")
     ap.add_argument("--peers", default="sdpa,flex,flashinfer")
     ap.add_argument("--variants", default="", help="tuning: also time plan variants '[family:]splits:block_n:"
-                    "stages:warps,...' (0 keeps the plan's value; variants with splits skip extend rows)")
+                    "stages:warps[:block_m],...' (0 keeps the plan's value; variants with splits skip extend rows)")
     ap.add_argument("--families", default="", help="also time these kernel families' plans, e.g. 'triton,cute' "
                     "(b12x-<family> rows; 'b12x' is always the plan select_plan picks)")
     ap.add_argument("--tag", default="h200")
