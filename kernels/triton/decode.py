@@ -27,6 +27,50 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
+@triton.jit
+def _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, stride_kp, stride_ko, stride_vp,
+          stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
+          BLOCK_N: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+          CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
+    """One BLOCK_N-key tile of the online softmax (decode, verify and extend): gathers the tile's K and V
+    through the page table, applies scale, softcap and (MASKED) the kv_start / causal / window masks and the
+    tile end `hi`, and returns the updated (acc, m, l). Unmasked tiles (extend's middle) skip every mask."""
+    offs_n = j0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hi
+    if MASKED:
+        page = tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+    else:
+        page = tl.load(pt_row + offs_n // PAGE).to(tl.int64)
+        kv_mask = d_ok[None, :]
+    slot = (offs_n % PAGE).to(tl.int64)
+    k_ptrs = k_head + page[:, None] * stride_kp + slot[:, None] * stride_ko + offs_d[None, :]
+    v_ptrs = v_head + page[:, None] * stride_vp + slot[:, None] * stride_vo + offs_d[None, :]
+    if MASKED or not EVEN_D:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if USE_SOFTCAP:
+        logits = softcap * LOG2E * _tanh(tl.dot(q, tl.trans(k.to(DOT))) * (k_scale / softcap))
+    else:
+        logits = tl.dot(q, tl.trans(k.to(DOT))) * (k_scale * LOG2E)
+    if MASKED:
+        visible = n_ok[None, :] & (offs_n[None, :] >= start)
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= limit[:, None])
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] >= limit[:, None] - window_left)
+        logits = tl.where(visible, logits, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(logits - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=[
     "KV_START", "SINKS", "KDS", "VDS", "kds_b", "kds_h", "vds_b", "vds_h",
     "has_kv_start", "has_sinks", "has_kds", "has_vds", "window_left",
@@ -90,31 +134,9 @@ def split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for j0 in range(s_lo, s_hi, BLOCK_N):
-        offs_n = j0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < s_hi
-        page = tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        slot = (offs_n % PAGE).to(tl.int64)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_head + page[:, None] * stride_kp + slot[:, None] * stride_ko + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_head + page[:, None] * stride_vp + slot[:, None] * stride_vo + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        if USE_SOFTCAP:
-            logits = softcap * LOG2E * _tanh(tl.dot(q, tl.trans(k.to(DOT))) * (k_scale / softcap))
-        else:
-            logits = tl.dot(q, tl.trans(k.to(DOT))) * (k_scale * LOG2E)
-        visible = n_ok[None, :] & (offs_n[None, :] >= start)
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= limit[:, None])
-        if USE_WINDOW:
-            visible = visible & (offs_n[None, :] >= limit[:, None] - window_left)
-        logits = tl.where(visible, logits, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(logits - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
-        m_i = m_new
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, s_hi, start, limit, k_head, v_head, pt_row, stride_kp, stride_ko,
+                              stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
+                              BLOCK_N, PAGE, False, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
 
     seen = l_i > 0.0
     safe_l = tl.where(seen, l_i, 1.0)

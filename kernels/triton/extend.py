@@ -16,48 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import LN2, LOG2E, NEG_BIG, _tanh
-
-
-@triton.jit
-def _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, stride_kp, stride_ko, stride_vp,
-          stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
-          BLOCK_N: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
-          CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
-    offs_n = j0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hi
-    if MASKED:
-        page = tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-    else:
-        page = tl.load(pt_row + offs_n // PAGE).to(tl.int64)
-        kv_mask = d_ok[None, :]
-    slot = (offs_n % PAGE).to(tl.int64)
-    k_ptrs = k_head + page[:, None] * stride_kp + slot[:, None] * stride_ko + offs_d[None, :]
-    v_ptrs = v_head + page[:, None] * stride_vp + slot[:, None] * stride_vo + offs_d[None, :]
-    if MASKED or not EVEN_D:
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    if USE_SOFTCAP:
-        logits = softcap * LOG2E * _tanh(tl.dot(q, tl.trans(k.to(DOT))) * (k_scale / softcap))
-    else:
-        logits = tl.dot(q, tl.trans(k.to(DOT))) * (k_scale * LOG2E)
-    if MASKED:
-        visible = n_ok[None, :] & (offs_n[None, :] >= start)
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= limit[:, None])
-        if USE_WINDOW:
-            visible = visible & (offs_n[None, :] >= limit[:, None] - window_left)
-        logits = tl.where(visible, logits, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(logits, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(logits - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
-    return acc, m_new, l_i
+from .decode import LN2, LOG2E, NEG_BIG, _tile
 
 
 @triton.jit(do_not_specialize=[
