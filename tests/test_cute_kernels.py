@@ -18,6 +18,7 @@ import torch
 
 from tests.helpers import run_family
 from tests.test_triton_kernels import F8, check_close, make_inputs
+from tests.test_triton_kernels import GPU_CASES as TRITON_GPU_CASES
 
 BASE = dict(batch=8, q_len=1, packed=False, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
             max_pages=512, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_layout="NHD", device_type="cuda",
@@ -86,27 +87,21 @@ def _cute_ready():
 
 needs_cute = pytest.mark.skipif(not _cute_ready(), reason="needs CUDA and nvidia-cutlass-dsl")
 
-GPU_CASES = [
-    # (name, make_inputs kwargs, options)
-    ("decode_bf16_nhd_p16", dict(batch=3, hq=32, hkv=8, d=128, page_size=16, lens=[700, 1, 2053]), {}),
-    ("decode_fp16_hnd_p1", dict(batch=2, hq=8, hkv=2, d=64, page_size=1, lens=[300, 77], dtype=torch.float16,
-                                kv_layout="HND"), {}),
-    ("decode_d256_p7", dict(batch=2, hq=16, hkv=2, d=256, page_size=7, lens=[400, 3]), {}),
+def _cute_case(kw):
+    """Whether a Triton GPU case is one the CuTe family expresses (decode/verify, D 64/128/256, <= 16 rows)."""
+    from b12x_inductor.kernels.cute import HEAD_DIMS, MAX_ROWS
+
+    q_len = kw.get("q_len", 1)
+    return (not kw.get("packed") and q_len <= 16 and kw["d"] in HEAD_DIMS
+            and q_len * kw["hq"] // kw["hkv"] <= MAX_ROWS)
+
+
+# (name, make_inputs kwargs, options): the Triton family's decode/verify cases the CuTe family expresses, and
+# three more (a group of 1, float8 with D=256 and every feature, verify with G=8)
+GPU_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES if _cute_case(c[1])] + [
     ("decode_g1_d64", dict(batch=2, hq=8, hkv=8, d=64, page_size=16, lens=[129, 64]), {}),
-    ("decode_features", dict(batch=3, hq=16, hkv=4, d=128, page_size=16, lens=[600, 37, 0], kv_start=True,
-                             sinks=True), dict(window_left=100, softcap=20.0, scale=0.05)),
-    ("decode_noncausal_empty", dict(batch=2, hq=8, hkv=8, d=64, page_size=16, lens=[0, 129]), dict(causal=False)),
-    ("decode_fp8_scalar", dict(batch=2, hq=32, hkv=8, d=128, page_size=16, lens=[900, 65], kv_dtype=F8,
-                               descale="scalar"), {}),
-    ("decode_fp8_b_hnd", dict(batch=2, hq=16, hkv=4, d=128, page_size=16, lens=[300, 999], kv_dtype=F8,
-                              descale="b", kv_layout="HND"), {}),
-    ("decode_fp8_bh_fp16_d64", dict(batch=2, hq=8, hkv=2, d=64, page_size=4, lens=[222, 5], kv_dtype=F8,
-                                    descale="bh", dtype=torch.float16), {}),
     ("decode_fp8_d256_features", dict(batch=2, hq=16, hkv=2, d=256, page_size=16, lens=[500, 70], kv_dtype=F8,
                                       descale="bh", kv_start=True, sinks=True), dict(window_left=50, softcap=8.0)),
-    ("verify_s4", dict(batch=3, q_len=4, hq=32, hkv=8, d=128, page_size=16, lens=[800, 4, 2]), {}),
-    ("verify_features_hnd", dict(batch=2, q_len=3, hq=8, hkv=2, d=128, page_size=3, lens=[260, 20],
-                                 kv_layout="HND", kv_start=True, sinks=True), dict(window_left=7, softcap=10.0)),
     ("verify_fp8_s2_g8", dict(batch=2, q_len=2, hq=16, hkv=2, d=128, page_size=16, lens=[300, 40], kv_dtype=F8,
                               descale="bh"), {}),
 ]
