@@ -80,3 +80,20 @@ def run_family(t, options, family, out=None, overrides=None):
                   plan=plan.constants())
     call()
     return out, lse, plan, call
+
+
+def replay_with_new_lengths(graph, t, out, lse, check, *, page_size=16, steps=3, min_len=45):
+    """CUDA-graph replays with the outputs poisoned and the lengths and page tables changed in place before
+    each; check(step) compares out and lse with the reference after each replay."""
+    gen = torch.Generator().manual_seed(3)
+    cap = t["page_table"].shape[1] * page_size
+    batch = t["page_table"].shape[0]
+    for step in range(steps):
+        t["cache_seqlens"].copy_(torch.randint(min_len, cap + 1, (batch,), generator=gen).int())
+        perm = torch.randperm(t["k_cache"].shape[0], generator=gen)[: t["page_table"].numel()]
+        t["page_table"].copy_(perm.reshape(t["page_table"].shape).int())
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(step)

@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from tests.helpers import run_family
+from tests.helpers import replay_with_new_lengths, run_family
 from tests.test_triton_kernels import F8, check_close, make_inputs
 from tests.test_triton_kernels import GPU_CASES as TRITON_GPU_CASES
 
@@ -148,17 +148,8 @@ def test_gpu_cute_cuda_graph_replay(q_len, kv_dtype, variant):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    gen = torch.Generator().manual_seed(3)
-    cap = t["page_table"].shape[1] * 16
-    for step in range(3):
-        t["cache_seqlens"].copy_(torch.randint(45, cap + 1, (3,), generator=gen).int())
-        perm = torch.randperm(t["k_cache"].shape[0], generator=gen)[: t["page_table"].numel()]
-        t["page_table"].copy_(perm.reshape(t["page_table"].shape).int())
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        check_close(out, lse, *_reference(t, options), what=f"cute q_len {q_len} replay {step}")
+    replay_with_new_lengths(graph, t, out, lse, lambda step: check_close(
+        out, lse, *_reference(t, options), what=f"cute q_len {q_len} replay {step}"))
 
 
 @pytest.mark.gpu

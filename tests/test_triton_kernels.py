@@ -283,18 +283,10 @@ def test_gpu_cuda_graph_replay(mode):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         _, lse = _call(t, options, out=out)
-    gen = torch.Generator().manual_seed(3)
-    cap = t["page_table"].shape[1] * 16
-    for step in range(3):
-        lens = torch.randint(45, cap + 1, (3,), generator=gen).int()
-        t["cache_seqlens"].copy_(lens)
-        perm = torch.randperm(t["k_cache"].shape[0], generator=gen)[: t["page_table"].numel()]
-        t["page_table"].copy_(perm.reshape(t["page_table"].shape).int())
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        check_close(out, lse, *_reference(t, options), what=f"{mode} replay {step}")
+    from tests.helpers import replay_with_new_lengths
+
+    replay_with_new_lengths(graph, t, out, lse, lambda step: check_close(
+        out, lse, *_reference(t, options), what=f"{mode} replay {step}"))
 
 
 @pytest.mark.gpu
