@@ -189,16 +189,29 @@ def _triton_plan(problem: Problem) -> Plan:
                 scratch_bytes=split_scratch_bytes(problem, num_splits))
 
 
-# CuTe DSL tiles (kernels/cute/decode.py): one CTA per (request, KV head, split) with all S x G query rows,
-# a cp.async ring of `num_stages` tiles of `block_n` keys. Split count: the Triton rule. Measured on the H200
-# (h200.md, "CuTe DSL"): 64-key tiles, 2 stages and 4 warps beat 128-key tiles, 3 stages and 8 warps. block_m
-# 16 selects the tensor-core kernel (decode_mma.py); it is not picked until its 128-key tests ran on a GPU.
-_CUTE_TILE = dict(block_m=1, block_n=64, num_stages=2, num_warps=4)  # block_m 1: CUDA cores, 16: tensor cores
+# CuTe DSL decode/verify tiles: one CTA per (request, KV head, split) with all S x G query rows, a cp.async
+# ring of `num_stages` tiles of `block_n` keys. Split count: the Triton rule. block_m 1 selects the CUDA-core
+# kernel (decode.py), 16 the tensor-core one (decode_mma.py). Measured on the H200 (h200.md, "CuTe DSL"):
+# CUDA cores with 64-key tiles, 2 stages and 4 warps beat 128-key tiles, 3 stages and 8 warps; for float8
+# decode the tensor cores with 128-key tiles beat them by 0-9 % once a split spans >= 1024 keys of capacity
+# (and lose 10 % at 512).
+_CUTE_TILE = dict(block_m=1, block_n=64, num_stages=2, num_warps=4)
+_CUTE_MMA_TILE = dict(block_m=16, block_n=128, num_stages=2, num_warps=4)
+_CUTE_MMA_MIN_SPLIT_KEYS = 1024
 
 
 def _cute_plan(problem: Problem) -> Plan:
+    if problem.mode == "extend":
+        # kernels/cute/extend.py: 128 query rows (two consumer warpgroups) and a producer warpgroup; 128-key
+        # tiles, as many stages as shared memory holds (Q 32 KB + 64 KB per stage at D = 128).
+        return Plan(mode="extend", family="cute", num_splits=1, block_m=128, block_n=128, num_warps=12,
+                    num_stages=2 if problem.head_dim > 64 else 4, scratch_bytes=0)
     num_splits = _split_count(problem, problem.batch * problem.num_kv_heads)
-    return Plan(mode=problem.mode, family="cute", num_splits=num_splits, **_CUTE_TILE,
+    tile = _CUTE_TILE
+    if (problem.mode == "decode" and problem.kv_dtype == torch.float8_e4m3fn and problem.head_dim <= 128
+            and problem.kv_capacity // num_splits >= _CUTE_MMA_MIN_SPLIT_KEYS):
+        tile = _CUTE_MMA_TILE
+    return Plan(mode=problem.mode, family="cute", num_splits=num_splits, **tile,
                 scratch_bytes=split_scratch_bytes(problem, num_splits, always=True))
 
 

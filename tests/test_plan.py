@@ -95,10 +95,10 @@ h200 extend D=256            extend  triton splits=1   m=64  n=32  warps=4 stage
             self.assertExpectedInline(table_cute(), """\
 fp8 decode 1x32768           decode  cute   splits=64  m=1   n=64  warps=4 stages=2 scratch=1056768
 fp8 decode 8x8192            decode  cute   splits=16  m=1   n=64  warps=4 stages=2 scratch=2113536
-fp8 decode 32x4096           decode  cute   splits=4   m=1   n=64  warps=4 stages=2 scratch=2113536
-fp8 decode 64x2048           decode  cute   splits=2   m=1   n=64  warps=4 stages=2 scratch=2113536
-fp8 decode 128x1024          decode  cute   splits=1   m=1   n=64  warps=4 stages=2 scratch=2113536
-fp8 decode 16x16384          decode  cute   splits=8   m=1   n=64  warps=4 stages=2 scratch=2113536
+fp8 decode 32x4096           decode  cute   splits=4   m=16  n=128 warps=4 stages=2 scratch=2113536
+fp8 decode 64x2048           decode  cute   splits=2   m=16  n=128 warps=4 stages=2 scratch=2113536
+fp8 decode 128x1024          decode  cute   splits=1   m=16  n=128 warps=4 stages=2 scratch=2113536
+fp8 decode 16x16384          decode  cute   splits=8   m=16  n=128 warps=4 stages=2 scratch=2113536
 fp8 decode D=64 HND p=1      decode  triton splits=2   m=16  n=128 warps=4 stages=2 scratch=133120
 fp8 decode D=96              decode  triton splits=16  m=16  n=128 warps=4 stages=2 scratch=1589248
 fp8 decode G=8               decode  triton splits=16  m=16  n=128 warps=4 stages=2 scratch=4227072
