@@ -1,4 +1,5 @@
-"""The CuTe DSL family (decode/verify on Hopper) against the reference, and where select_plan picks it.
+"""The CuTe DSL family (decode, verify and extend on Hopper) against the reference, and where select_plan
+picks it.
 
 CPU (CI): the family's `supports` table, its plan, and the rule that select_plan picks it only where it is
 installed, the GPU is one it was verified on and it measured faster than Triton.
@@ -38,8 +39,10 @@ def test_cute_supports_table():
     assert cute.supports(_problem(kv_dtype=F8, head_dim=64, kv_layout="HND", page_size=1))
     assert cute.supports(_problem(q_len=4))  # verify, 16 rows
     assert not cute.supports(_problem(q_len=8))  # 32 rows per KV head
-    assert not cute.supports(_problem(q_len=64))  # extend stays with Triton
-    assert not cute.supports(_problem(q_len=64, packed=True))
+    assert cute.supports(_problem(q_len=64))  # extend: 4D and packed q, D 64/128, the cache in q's dtype
+    assert cute.supports(_problem(q_len=64, packed=True, head_dim=64, kv_layout="HND", page_size=3))
+    assert not cute.supports(_problem(q_len=64, kv_dtype=F8))
+    assert not cute.supports(_problem(q_len=64, head_dim=256))
     assert not cute.supports(_problem(head_dim=96))
     assert not cute.supports(_problem(capability=(8, 0)))
     assert not cute.supports(_problem(device_type="cpu"))
@@ -54,6 +57,9 @@ def test_cute_family_plan_always_has_scratch():
     assert plan.family == "cute" and plan.block_m == 1 and plan.block_n == 64
     assert plan.scratch_bytes == split_scratch_bytes(p, plan.num_splits, always=True) > 0
     assert family_plan(_problem(kv_dtype=F8), "cute").num_stages == 2
+    extend = family_plan(_problem(q_len=64), "cute")
+    assert (extend.mode, extend.num_splits, extend.block_m, extend.num_warps, extend.scratch_bytes) == (
+        "extend", 1, 128, 12, 0)
 
 
 def test_select_plan_picks_cute_only_where_installed_and_faster(monkeypatch):
@@ -69,7 +75,7 @@ def test_select_plan_picks_cute_only_where_installed_and_faster(monkeypatch):
     for p in faster:
         assert plan_mod.select_plan(p).family == "cute"
     # never where it does not apply, installed or not
-    assert plan_mod.select_plan(_problem(q_len=64)).family == "triton"
+    assert plan_mod.select_plan(_problem(q_len=64, kv_dtype=F8)).family == "triton"
     assert plan_mod.select_plan(_problem(capability=(8, 0))).family == "torch"
     assert plan_mod.select_plan(_problem(head_dim=96)).family == "triton"
 
@@ -88,12 +94,20 @@ def _cute_ready():
 needs_cute = pytest.mark.skipif(not _cute_ready(), reason="needs CUDA and nvidia-cutlass-dsl")
 
 def _cute_case(kw):
-    """Whether a Triton GPU case is one the CuTe family expresses (decode/verify, D 64/128/256, <= 16 rows)."""
+    """Whether a Triton decode/verify GPU case is one the CuTe family expresses (D 64/128/256, <= 16 rows)."""
     from b12x_inductor.kernels.cute import HEAD_DIMS, MAX_ROWS
 
     q_len = kw.get("q_len", 1)
     return (not kw.get("packed") and q_len <= 16 and kw["d"] in HEAD_DIMS
             and q_len * kw["hq"] // kw["hkv"] <= MAX_ROWS)
+
+
+def _cute_extend_case(kw):
+    """Whether a Triton extend GPU case is one the CuTe family expresses (D 64/128, the cache in q's dtype)."""
+    from b12x_inductor.kernels.cute import EXTEND_HEAD_DIMS
+
+    return ((kw.get("packed") or kw.get("q_len", 1) > 16) and kw["d"] in EXTEND_HEAD_DIMS
+            and kw.get("kv_dtype") in (None, kw.get("dtype", torch.bfloat16)))
 
 
 # (name, make_inputs kwargs, options): the Triton family's decode/verify cases the CuTe family expresses, and
@@ -105,6 +119,20 @@ GPU_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES 
     ("verify_fp8_s2_g8", dict(batch=2, q_len=2, hq=16, hkv=2, d=128, page_size=16, lens=[300, 40], kv_dtype=F8,
                               descale="bh"), {}),
 ]
+
+
+# extend: the Triton family's extend cases the CuTe family expresses, and three more (a prefix of cached keys
+# with G = 8 and several row tiles, packed fp16 non-causal with page size 1 and G = 1, every feature at D=128)
+EXTEND_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES if _cute_extend_case(c[1])] + [
+    ("extend_prefix_g8", dict(batch=2, q_len=300, hq=32, hkv=4, d=128, page_size=16, lens=[300, 1000]), {}),
+    ("extend_packed_fp16_noncausal_p1", dict(batch=3, hq=4, hkv=4, d=64, page_size=1, packed=True,
+                                             lens=[129, 500, 200], q_lens=[129, 1, 200], dtype=torch.float16),
+     dict(causal=False)),
+    ("extend_packed_features", dict(batch=2, hq=16, hkv=2, d=128, page_size=16, packed=True, lens=[700, 260],
+                                    q_lens=[390, 200], kv_start=True, sinks=True),
+     dict(window_left=150, softcap=30.0, scale=0.07)),
+]
+EXTEND_VARIANTS = {"plan": {}, "stages3": dict(num_stages=3), "n64_stages4": dict(block_n=64, num_stages=4)}
 
 
 def _reference(t, options):
@@ -134,7 +162,7 @@ def test_gpu_cute_matches_reference(name, kw, options, variant):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("variant", ["cudacore", "tensorcore"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, F8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("q_len", [1, 4], ids=["decode", "verify"])
 def test_gpu_cute_cuda_graph_replay(q_len, kv_dtype, variant):
@@ -222,3 +250,84 @@ def test_cute_geometry_fits_every_supported_problem():
                 assert geometry(d=d, rows=rows, kv_bits=bits, tile_n=64, stages=2, num_warps=4) is not None
     assert geometry(d=256, rows=4, kv_bits=16, tile_n=128, stages=2, num_warps=4) is None  # > 227 KB
     assert geometry(d=64, rows=4, kv_bits=8, tile_n=64, stages=2, num_warps=8) is None  # 8 parts of 4 chunks
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("variant", list(EXTEND_VARIANTS))
+@pytest.mark.parametrize("name,kw,options", EXTEND_CASES, ids=[c[0] for c in EXTEND_CASES])
+def test_gpu_cute_extend_matches_reference(name, kw, options, variant):
+    options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
+    t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000)
+    out, lse, plan, _ = run_family(t, options, "cute", overrides=EXTEND_VARIANTS[variant])
+    torch.cuda.synchronize()
+    assert plan.family == "cute" and plan.mode == "extend"
+    check_close(out, lse, *_reference(t, options), what=f"{name} {plan}")
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_gpu_cute_extend_cuda_graph_replay():
+    """Packed extend: capture once; poison the outputs, change lengths and page tables in place, replay."""
+    kw = dict(batch=3, hq=16, hkv=4, d=128, page_size=16, packed=True, lens=[500, 260, 150], q_lens=[150, 0, 140],
+              spare_pages=4)
+    t = make_inputs(**kw, device="cuda", seed=8)
+    options = dict(kv_layout="NHD")
+    out, lse, plan, call = run_family(t, options, "cute")  # compiles before capture
+    assert plan.mode == "extend"
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    replay_with_new_lengths(graph, t, out, lse, lambda step: check_close(
+        out, lse, *_reference(t, options), what=f"cute extend replay {step}"), min_len=150)
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_gpu_cute_extend_compile_reduce_overhead_no_skip_no_recompile(monkeypatch):
+    """With select_plan picking the CuTe family for extend: compiled packed prefill over changing new-token
+    counts and lengths, no recompile, no cudagraph skip."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import b12x_inductor as b12x
+    from b12x_inductor import ops, validate
+    from b12x_inductor import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_cute_measured_faster", lambda problem: True)
+    ops.plan_for.cache_clear()
+    t = make_inputs(batch=2, hq=16, hkv=4, d=128, page_size=16, packed=True, lens=[400, 300], q_lens=[200, 100],
+                    spare_pages=4, device="cuda", seed=12)
+
+    def step(q, k, v, pt, lens, cu):
+        out, lse = b12x.paged_attention(q, k, v, pt, lens, cu, return_lse=True)
+        return out * 2.0, lse
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        gen = torch.Generator().manual_seed(6)
+        cap = t["page_table"].shape[1] * 16
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for i in range(4):
+                new = torch.randint(0, 150, (2,), generator=gen)
+                cu = torch.zeros(3, dtype=torch.int32)
+                cu[1:] = torch.cumsum(new, 0)
+                t["cu_seqlens_q"].copy_(cu)
+                t["cache_seqlens"].copy_((new + torch.randint(0, cap - 150, (2,), generator=gen)).int())
+                out, lse = compiled(t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"],
+                                    t["cu_seqlens_q"])
+                torch.cuda.synchronize()
+                ref_out, ref_lse = _reference(t, dict(kv_layout="NHD"))
+                check_close(out / 2.0, lse, ref_out, ref_lse, what=f"compiled extend step {i}")
+        assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+        problem = validate.check_paged_attention(
+            t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"],
+            kv_layout="NHD", causal=True, scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0,
+            k_descale=None, v_descale=None, out=None)
+        assert (ops.plan_for(problem).family, ops.plan_for(problem).mode) == ("cute", "extend")
+    finally:
+        ops.plan_for.cache_clear()
+        torch._dynamo.reset()

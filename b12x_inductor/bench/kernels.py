@@ -225,12 +225,13 @@ def b12x_call(s, mode, variant=None, family=None):
         causal=True, scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0,
         k_descale=s["k_descale"], v_descale=s["v_descale"], out=None)
     plan = family_plan(problem, family) if family else select_plan(problem)
-    if plan.family == "cute" and (mode == "extend" or not _cute_supports(problem)):
+    if plan.family == "cute" and not _cute_supports(problem):
         return None
     fields = dict(zip(("num_splits", "block_n", "num_stages", "num_warps", "block_m"), variant or ()))
     plan = dataclasses.replace(plan, **{k: v for k, v in fields.items() if v})
     plan = dataclasses.replace(plan, scratch_bytes=split_scratch_bytes(problem, plan.num_splits,
-                                                                       always=plan.family == "cute"))
+                                                                       always=plan.family == "cute"
+                                                                       and plan.mode != "extend"))
     out = torch.empty_like(s["q"])
     lse = torch.empty(s["q"].shape[:-1], dtype=torch.float32, device=DEVICE)
     scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=DEVICE)

@@ -1,12 +1,13 @@
 """The CuTe DSL kernel family (Hopper): decode and verify on the CUDA cores (decode.py) or the tensor cores
-(decode_mma.py); extend stays with Triton.
+(decode_mma.py); extend warp-specialized with wgmma (extend.py).
 
 Optional: it needs nvidia-cutlass-dsl (`pip install b12x-inductor[cute]`); without it `available()` is False
-and every plan runs on Triton. `run` launches the split kernel on torch's current stream (a CuTe launch
-without an explicit stream is silently left out of a CUDA-graph capture) and then the Triton merge kernel,
-which combines the splits with the sink into `out` and `lse`; it writes only out, lse and the plan's
-scratch, allocates nothing and never syncs. `precompile` compiles the kernel for a plan ahead (in memory,
-and in the DSL's own file cache on disk), so no compile ever happens inside a capture.
+and every plan runs on Triton. `run` launches the plan's kernel on torch's current stream (a CuTe launch
+without an explicit stream is silently left out of a CUDA-graph capture): for decode/verify the split
+kernel and then the Triton merge kernel, which combines the splits with the sink into `out` and `lse`; for
+extend one kernel that writes `out` and `lse`. It writes only out, lse and the plan's scratch, allocates
+nothing and never syncs. `precompile` compiles the kernel for a plan ahead (in memory, and in the DSL's own
+file cache on disk), so no compile ever happens inside a capture.
 
 The kernels also compile on a machine without a GPU, which catches DSL errors before any device time:
 `cute.compile(SplitKernel(...), *fake_args, options="--gpu-arch sm_90a")` as `_compiled` builds it (without
@@ -23,6 +24,7 @@ from b12x_inductor.plan import MAX_VERIFY_LEN
 
 FP8 = torch.float8_e4m3fn
 HEAD_DIMS = (64, 128, 256)
+EXTEND_HEAD_DIMS = (64, 128)  # extend.py: the P V accumulators take D / 2 fp32 registers per thread
 MAX_ROWS = 16  # query rows (S x Hq / Hkv) per CTA: the per-thread accumulators are rows x 2-4 fp32
 KEYS_PER_THREAD = 2  # score phase: keys per thread (each q read serves both)
 MMA_M = 16  # a plan's block_m: 16 = the tensor-core kernel (one m16 tile of query rows), 1 = the CUDA-core one
@@ -44,17 +46,20 @@ def available() -> bool:
 
 
 def supports(problem) -> bool:
-    """Whether this family expresses the problem: decode/verify on CUDA of a verified capability, bf16/fp16 q,
-    the cache in q's dtype or float8_e4m3fn, head dims 64/128/256, at most 16 query rows per KV head, NHD or
-    HND, any page size. (Installed or not: `available()` says that.)"""
+    """Whether this family expresses the problem: CUDA of a verified capability, bf16/fp16 q, NHD or HND, any
+    page size; decode/verify with the cache in q's dtype or float8_e4m3fn, head dims 64/128/256 and at most 16
+    query rows per KV head; extend (4D or packed q) with the cache in q's dtype and head dims 64/128.
+    (Installed or not: `available()` says that.)"""
     if problem.device_type != "cuda" or problem.capability not in VERIFIED_CAPABILITIES:
         return False
+    if problem.q_dtype not in (torch.bfloat16, torch.float16) or problem.kv_layout not in ("NHD", "HND"):
+        return False
+    if problem.page_size < 1:
+        return False
     if problem.packed or problem.q_len > MAX_VERIFY_LEN:
-        return False
-    if problem.q_dtype not in (torch.bfloat16, torch.float16) or problem.kv_dtype not in (problem.q_dtype, FP8):
-        return False
-    return (problem.head_dim in HEAD_DIMS and problem.q_len * problem.group <= MAX_ROWS
-            and problem.kv_layout in ("NHD", "HND") and problem.page_size >= 1)
+        return problem.kv_dtype == problem.q_dtype and problem.head_dim in EXTEND_HEAD_DIMS
+    return (problem.kv_dtype in (problem.q_dtype, FP8) and problem.head_dim in HEAD_DIMS
+            and problem.q_len * problem.group <= MAX_ROWS)
 
 
 def geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, num_warps: int) -> dict | None:
@@ -162,9 +167,92 @@ def _check_aligned(name: str, t: torch.Tensor, elems: int) -> None:
                          f"{t.data_ptr() % 16}, strides {tuple(t.stride())}")
 
 
+@functools.cache
+def _compiled_extend(key):
+    """The compiled extend kernel (extend.py) for one key (d, g, hq, batch, s, page, packed, block_n, stages,
+    q dtype, causal, use_window, use_softcap)."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    from .extend import ExtendKernel
+
+    d, g, hq, batch, s, page, packed, tile_n, stages, q_dtype, causal, use_window, use_softcap = key
+    qt = _cutlass_dtype(q_dtype)
+    kernel = ExtendKernel(d=d, g=g, hq=hq, batch=batch, s=s, page=page, packed=packed, tile_n=tile_n,
+                          stages=stages, q_dtype=qt, causal=causal, use_window=use_window, use_softcap=use_softcap)
+    gmem = cute.AddressSpace.gmem
+
+    def ptr(dt, align=4):
+        return make_ptr(dt, 1 << 20, gmem, assumed_align=align)
+
+    args = [ptr(qt, 16), ptr(qt, 16), ptr(qt, 16), *[ptr(Int32)] * 4, *[ptr(Float32)] * 3, ptr(qt, 2),
+            ptr(Float32), *[Int64(1)] * 10, *[Int32(0)] * 8, Int32(-1), Float32(1.0), Float32(1.0),
+            make_fake_stream()]
+    return cute.compile(kernel, *args)
+
+
+def _extend_key(shapes, plan: dict, options: dict) -> tuple:
+    return (shapes["d"], shapes["hq"] // shapes["hkv"], shapes["hq"], shapes["batch"], shapes["q_len"],
+            shapes["page_size"], shapes["packed"], plan["block_n"], plan["num_stages"], shapes["q_dtype"],
+            bool(options["causal"]), int(options["window_left"]) >= 0, float(options["softcap"]) > 0)
+
+
+def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
+    from cuda.bindings.driver import CUstream
+    from cutlass import Float32, Int32, Int64
+
+    from b12x_inductor.kernels.triton import _cache_strides, _descale_args
+
+    q, k_cache, v_cache, pt = tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["page_table"]
+    layout = options["kv_layout"]
+    packed = q.dim() == 3
+    hkv = k_cache.shape[2] if layout == "NHD" else k_cache.shape[1]
+    shapes = dict(d=q.shape[-1], hq=q.shape[-2], hkv=hkv, batch=pt.shape[0],
+                  q_len=q.shape[0] if packed else q.shape[1], packed=packed,
+                  page_size=k_cache.shape[1] if layout == "NHD" else k_cache.shape[2], q_dtype=q.dtype)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_aligned(name, t, shapes["d"])
+    compiled = _compiled_extend(_extend_key(shapes, plan, options))
+    q_strides = (0, q.stride(0), q.stride(1)) if packed else q.stride()[:3]
+    kp, ko, kh = _cache_strides(k_cache.stride(), layout)
+    vp, vo, vh = _cache_strides(v_cache.stride(), layout)
+    int_dummy = tensors["cache_seqlens"]
+    kds, kds_b, kds_h, has_kds = _descale_args(tensors["k_descale"], lse)
+    vds, vds_b, vds_h, has_vds = _descale_args(tensors["v_descale"], lse)
+    kv_start, sinks = tensors["kv_start"], tensors["sinks"]
+    window, softcap = int(options["window_left"]), float(options["softcap"])
+    stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    with torch.cuda.device(q.device):
+        compiled(
+            _ptr(q, 16), _ptr(k_cache, 16), _ptr(v_cache, 16), _ptr(pt, 4, torch.int32),
+            _ptr(tensors["cache_seqlens"], 4, torch.int32),
+            _ptr(tensors["cu_seqlens_q"] if packed else int_dummy, 4, torch.int32),
+            _ptr(kv_start if kv_start is not None else int_dummy, 4, torch.int32),
+            _ptr(sinks if sinks is not None else lse, 4, torch.float32), _ptr(kds, 4, torch.float32),
+            _ptr(vds, 4, torch.float32), _ptr(out, 2), _ptr(lse, 4),
+            *[Int64(x) for x in (*q_strides, kp, ko, kh, vp, vo, vh, pt.stride(0))],
+            Int32(kds_b), Int32(kds_h), Int32(vds_b), Int32(vds_h), Int32(kv_start is not None),
+            Int32(sinks is not None), Int32(has_kds), Int32(has_vds), Int32(max(window, 0)),
+            Float32(float(options["scale"])), Float32(softcap if softcap > 0 else 1.0), stream,
+        )
+
+
+def _ptr(t: torch.Tensor, align: int, dtype=None):
+    """A CuTe global pointer to a tensor's data (`dtype`: the element type to read it as)."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(_cutlass_dtype(dtype or t.dtype), t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
 def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
-    """Runs one decode/verify plan: the split kernel writes each split's partials into `scratch`, the Triton
-    merge kernel combines them (with the sink) into `out` and `lse`."""
+    """Runs one plan. Extend: the extend kernel writes `out` and `lse`. Decode/verify: the split kernel writes
+    each split's partials into `scratch`, the Triton merge kernel combines them (with the sink) into `out`
+    and `lse`."""
+    if mode == "extend":
+        _run_extend(tensors, out=out, lse=lse, options=options, plan=plan)
+        return
     import cutlass.cute as cute
     from cuda.bindings.driver import CUstream
     from cutlass import Float32, Int32, Int64
@@ -229,11 +317,15 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
 
 
 def precompile(problem, plan, options: dict) -> None:
-    """Compiles the plan's split kernel (and the Triton merge kernel) ahead of any launch."""
+    """Compiles the plan's kernels (decode/verify: also the Triton merge kernel) ahead of any launch."""
     if plan.family != "cute" or problem.device_type != "cuda":
         return
     shapes = dict(d=problem.head_dim, q_len=problem.q_len, hq=problem.num_q_heads, hkv=problem.num_kv_heads,
-                  page_size=problem.page_size, q_dtype=problem.q_dtype, kv_dtype=problem.kv_dtype)
+                  page_size=problem.page_size, q_dtype=problem.q_dtype, kv_dtype=problem.kv_dtype,
+                  batch=problem.batch, packed=problem.packed)
+    if plan.mode == "extend":
+        _compiled_extend(_extend_key(shapes, plan.constants(), options))
+        return
     _compiled(_key(shapes, plan.constants(), options))
     _precompile_merge(problem, plan.num_splits)
 

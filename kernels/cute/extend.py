@@ -1,0 +1,411 @@
+"""Extend (prefill, chunked prefill) in CuTe DSL on Hopper: warp-specialized, with wgmma.
+
+One CTA of three warpgroups takes BM = 128 consecutive new tokens of one request and one query head, grid
+(Hq, tiles) as the Triton extend kernel (same tile map, same three key ranges, same masks):
+
+- warpgroup 0, the producer, gathers the K and V rows of each BN-key tile through the page table with
+  cp.async (16-byte chunks; key j lives at page page_table[b, j // PAGE], slot j % PAGE, the page id widened
+  to 64 bits) into a STAGES-deep ring of shared-memory buffers, zero-filling keys past the visible range.
+  When a tile has landed it fences the generic-proxy writes for the tensor cores (fence.proxy.async) and
+  arrives on the stage's `full` mbarrier; it waits on the stage's `empty` mbarrier before reusing it.
+  It keeps only 40 registers (setmaxnreg), the consumers take 232.
+- warpgroups 1 and 2, the consumers, own 64 query rows each: S = Q K^T with wgmma (Q and K from shared
+  memory), the masks (kv_start, causal, window; only on the tiles at the ends of the range), scale, softcap
+  and the online softmax on the accumulator fragments, then O += P V with wgmma (P from registers, V from
+  shared memory read N-major), and an arrive on the stage's `empty` mbarrier.
+
+Shared-memory tiles use the 128-byte swizzle wgmma reads: a tile of rows x D (Q, K or V; row = token or key)
+is stored as D / 64 slabs of rows x 128 bytes, 16-byte chunk c of row r at chunk position c ^ (r % 8). The
+cp.async writes compute that address directly; the MMAs read the same bytes through CuTe's layouts
+(`sm90_utils.make_smem_layout_a/b`, whose swizzle acts on byte addresses).
+
+The accumulator fragment of an m64nN wgmma holds, per thread, elements ((2, 2, N / 8)): two adjacent columns,
+rows r and r + 8, and N / 8 column groups of 8; converted to 16-bit, the S fragment of 16 keys is exactly
+the A register fragment of the P V product's k-step, so P never leaves registers.
+
+Packed q: the grid is fixed by the capacity (cdiv(T, BM) + B tiles); each CTA maps its tile to a request on
+the device from cu_seqlens_q, and the CTAs left over write zeros and lse = -inf into the padding rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG
+
+LN2 = 0.6931471805599453
+BLOCK_M = 128  # query rows per CTA: two consumer warpgroups of 64
+THREADS = 384  # producer warpgroup + two consumer warpgroups
+PRODUCER_REGS, CONSUMER_REGS = 56, 224  # 128 x 56 + 256 x 224 <= 65536
+
+
+class ExtendKernel:
+    """The extend kernel for one set of compile-time constants (see `extend_geometry` in __init__.py)."""
+
+    def __init__(self, *, d: int, g: int, hq: int, batch: int, s: int, page: int, packed: bool, tile_n: int,
+                 stages: int, q_dtype, causal: bool, use_window: bool, use_softcap: bool):
+        self.d, self.g, self.hq, self.batch, self.s, self.page, self.packed = d, g, hq, batch, s, page, packed
+        self.tile_n, self.stages, self.dtype = tile_n, stages, q_dtype
+        self.causal, self.use_window, self.use_softcap = causal, use_window, use_softcap
+        self.chunks = d // 8  # 16-byte chunks per row
+        self.q_bytes = BLOCK_M * d * 2
+        self.kv_bytes = tile_n * d * 2  # one K (or V) tile
+        self.smem_bytes = self.q_bytes + 2 * stages * self.kv_bytes + 1024 + 96
+        self.tiles = (-(-s // BLOCK_M) + batch) if packed else batch * -(-s // BLOCK_M)
+
+    @cute.jit
+    def __call__(
+        self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer,
+        seqlens_ptr: cute.Pointer, cu_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer,
+        kds_ptr: cute.Pointer, vds_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer,
+        q_sb: Int64, q_ss: Int64, q_sh: Int64, k_sp: Int64, k_so: Int64, k_sh: Int64,
+        v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
+        kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
+        has_kv_start: Int32, has_sinks: Int32, has_kds: Int32, has_vds: Int32,
+        window_left: Int32, sm_scale: Float32, softcap: Float32, stream,
+    ):
+        self.kernel(
+            q_ptr, k_ptr, v_ptr, pt_ptr, seqlens_ptr, cu_ptr, kv_start_ptr, sinks_ptr, kds_ptr, vds_ptr, out_ptr,
+            lse_ptr, q_sb, q_ss, q_sh, k_sp, k_so, k_sh, v_sp, v_so, v_sh, pt_sb, kds_b, kds_h, vds_b, vds_h,
+            has_kv_start, has_sinks, has_kds, has_vds, window_left, sm_scale, softcap,
+        ).launch(grid=(self.hq, self.tiles, 1), block=(THREADS, 1, 1), smem=self.smem_bytes, stream=stream,
+                 min_blocks_per_mp=1)
+
+    @cute.jit
+    def _tile_map(self, cu_ptr: cute.Pointer, t: Int32):
+        """(b, mt, n_b, row0, pad_from): tile t's request, its row tile (longest first for 4D q), the request's
+        new-token count, its first row in q/out, and for packed q the first padding row this tile writes
+        (-1 for a real tile)."""
+        b = Int32(0)
+        mt = Int32(0)
+        n_b = Int32(self.s)
+        row0 = Int64(0)
+        pad_from = Int32(-1)
+        if const_expr(self.packed):
+            cu = cute.make_tensor(cu_ptr, cute.make_layout((self.batch + 1,)))
+            cum = Int32(0)
+            for i in cutlass.range(self.batch, unroll=1):
+                c_lo = Int32(cu[i])
+                n_i = cutlass.max(Int32(cu[i + 1]) - c_lo, Int32(0))
+                tiles_i = (n_i + BLOCK_M - 1) // BLOCK_M
+                if (t >= cum) & (t < cum + tiles_i):
+                    b = i
+                    mt = t - cum
+                    n_b = n_i
+                    row0 = Int64(c_lo)
+                cum = cum + tiles_i
+            if t >= cum:
+                pad_from = Int32(cu[self.batch]) + (t - cum) * BLOCK_M
+        else:
+            per_req = const_expr(-(-self.s // BLOCK_M))
+            b = t // per_req
+            mt = per_req - 1 - t % per_req
+            row0 = Int64(b) * self.s
+        return b, mt, n_b, row0, pad_from
+
+    @cute.jit
+    def _chunk(self, base: cute.Tensor, row: Int32, ch: Int32):
+        """The 16-byte chunk `ch` of row `row` of a swizzled rows x D tile (see the module docstring)."""
+        return base[ch // 8, row // 8, row % 8, (ch % 8) ^ (row % 8), None]
+
+    @cute.kernel
+    def kernel(
+        self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer,
+        seqlens_ptr: cute.Pointer, cu_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer,
+        kds_ptr: cute.Pointer, vds_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer,
+        q_sb: Int64, q_ss: Int64, q_sh: Int64, k_sp: Int64, k_so: Int64, k_sh: Int64,
+        v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
+        kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
+        has_kv_start: Int32, has_sinks: Int32, has_kds: Int32, has_vds: Int32,
+        window_left: Int32, sm_scale: Float32, softcap: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        hq, t, _ = cute.arch.block_idx()
+        wg = tidx // 128
+        BN = const_expr(self.tile_n)
+        D = const_expr(self.d)
+        NS = const_expr(self.stages)
+        CH = const_expr(self.chunks)
+        SLABS = const_expr(max(D // 64, 1))
+        dt = self.dtype
+        h = hq // self.g
+
+        # ---- shared memory: Q, the K and V rings (swizzled, 1024-aligned), the stage mbarriers ----
+        smem = cutlass.utils.SmemAllocator()
+        raw = smem.allocate(self.q_bytes + 2 * NS * self.kv_bytes, byte_alignment=1024)
+        mbar = smem.allocate_array(Int64, 3 * NS)  # K full [0, NS), V full [NS, 2 NS), empty [2 NS, 3 NS)
+        base = cute.recast_ptr(raw, dtype=dt)
+        q_elems = const_expr(BLOCK_M * D)
+        kv_elems = const_expr(BN * D)
+
+        def chunks_view(ptr, rows, stages):  # (stage, slab, row // 8, row % 8, chunk position, 8 elements)
+            return cute.make_tensor(ptr, cute.make_layout(
+                (stages, SLABS, rows // 8, 8, 8, 8),
+                stride=(rows * D, rows * 64, 512, 64, 8, 1)))
+
+        wQ = chunks_view(base, BLOCK_M, 1)
+        wK = chunks_view(base + q_elems, BN, NS)
+        wV = chunks_view(base + q_elems + NS * kv_elems, BN, NS)
+
+        kmaj = warpgroup.OperandMajorMode.K
+        mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, kmaj, kmaj, Float32, (2, 1, 1), (64, BN))
+        mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, kmaj, warpgroup.OperandMajorMode.MN, Float32, (2, 1, 1),
+                                                   (64, D), a_source=warpgroup.OperandSource.RMEM)
+        lq = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, BN, D), dt, 1)
+        lk = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, BN, D), dt, NS)
+        lv = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BLOCK_M, D, BN), dt, NS)
+        sQ = cute.make_tensor(cute.recast_ptr(base, lq.inner, dtype=dt), lq.outer)
+        sK = cute.make_tensor(cute.recast_ptr(base + q_elems, lk.inner, dtype=dt), lk.outer)
+        sV = cute.make_tensor(cute.recast_ptr(base + q_elems + NS * kv_elems, lv.inner, dtype=dt), lv.outer)
+
+        if tidx == 0:
+            for i in cutlass.range_constexpr(NS):
+                cute.arch.mbarrier_init(mbar + i, 128)  # K full: every producer thread's copies landed
+                cute.arch.mbarrier_init(mbar + NS + i, 128)  # V full
+                cute.arch.mbarrier_init(mbar + 2 * NS + i, 256)  # empty: every consumer thread arrives
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        b, mt, n_b, row0, pad_from = self._tile_map(cu_ptr, t)
+        lse_rows = cute.make_tensor(lse_ptr, cute.make_layout((1 << 30,)))
+        if pad_from >= 0:
+            # padding rows past cu_seqlens_q[-1] (packed q only): zeros and lse = -inf
+            for i in cutlass.range_constexpr((BLOCK_M * D + THREADS - 1) // THREADS):
+                e = tidx + i * THREADS
+                r = pad_from + e // D
+                if (e < BLOCK_M * D) & (r < self.s):
+                    orow = cute.make_tensor(out_ptr + (Int64(r) * self.hq + Int64(hq)) * D, cute.make_layout((D,)))
+                    orow[e % D] = dt(0.0)
+                    if e % D == 0:
+                        lse_rows[Int64(r) * self.hq + Int64(hq)] = Float32(-math.inf)
+        else:
+            # ---- the visible key range, on the device (as the Triton extend kernel) ----
+            seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout((1 << 30,)))
+            length = Int32(seqlens[b])
+            start = Int32(0)
+            if has_kv_start != 0:
+                kvs = cute.make_tensor(kv_start_ptr, cute.make_layout((1 << 30,)))
+                start = cutlass.max(Int32(kvs[b]), Int32(0))
+            c_min = length - n_b + mt * BLOCK_M
+            c_max = length - n_b + cutlass.min(mt * BLOCK_M + BLOCK_M, n_b) - 1
+            lo = start
+            full_lo = start
+            if const_expr(self.use_window):
+                lo = cutlass.max(lo, c_min - window_left)
+                full_lo = cutlass.max(full_lo, c_max - window_left)
+            hi = length
+            full_hi = length
+            if const_expr(self.causal):
+                hi = cutlass.min(hi, c_max + 1)
+                full_hi = cutlass.min(full_hi, c_min + 1)
+            n_tiles = (cutlass.max(hi - lo, Int32(0)) + BN - 1) // BN
+
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                self._produce(tidx, b, h, lo, hi, n_tiles, k_ptr, v_ptr, pt_ptr, k_sp, k_so, k_sh, v_sp, v_so,
+                              v_sh, pt_sb, wK, wV, mbar)
+            else:
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                ctid = tidx - 128
+                wgc = wg - 1
+                # Q rows of this warpgroup -> shared memory (zeros past the request's rows)
+                q_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
+                                             num_bits_per_copy=128)
+                q_row0 = Int64(0)
+                if const_expr(self.packed):
+                    q_row0 = row0
+                q_base = q_ptr.toint() + (Int64(b) * q_sb + q_row0 * q_ss + Int64(hq) * q_sh) * 2
+                for i in cutlass.range_constexpr(64 * CH // 128):
+                    ci = (ctid % 128) + i * 128
+                    row = wgc * 64 + ci // CH
+                    ch = ci % CH
+                    dst = self._chunk(wQ[0, None, None, None, None, None], row, ch)
+                    r = mt * BLOCK_M + row
+                    if r < n_b:
+                        src = cute.make_tensor(cute.make_ptr(dt, q_base + (Int64(r) * q_ss + ch * 8) * 2,
+                                                             cute.AddressSpace.gmem, assumed_align=16),
+                                               cute.make_layout((8,)))
+                        cute.copy(q_atom, src, dst)
+                    else:
+                        for e in cutlass.range_constexpr(8):
+                            dst[e] = dt(0.0)
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
+
+                k_scale = sm_scale * Float32(LOG2E)
+                if has_kds != 0:
+                    kds = cute.make_tensor(kds_ptr, cute.make_layout((1 << 30,)))
+                    k_scale = k_scale * Float32(kds[b * kds_b + h * kds_h])
+                v_scale = Float32(1.0)
+                if has_vds != 0:
+                    vds = cute.make_tensor(vds_ptr, cute.make_layout((1 << 30,)))
+                    v_scale = Float32(vds[b * vds_b + h * vds_h])
+
+                thr_qk = mma_qk.get_slice(ctid)
+                thr_pv = mma_pv.get_slice(ctid)
+                tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+                tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+                tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+                acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((BLOCK_M, BN)))
+                acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, D)))
+                t_cs = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, BN)))
+                t_co = thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, D)))
+                acc_o.fill(0.0)
+                NS_ELEMS = const_expr(cute.size(acc_s))  # 2 x 2 x BN / 8
+                NO_ELEMS = const_expr(cute.size(acc_o))
+                m_run = cute.make_rmem_tensor((2,), Float32)
+                l_run = cute.make_rmem_tensor((2,), Float32)
+                for i in cutlass.range_constexpr(2):
+                    m_run[i] = Float32(NEG_BIG)
+                    l_run[i] = Float32(0.0)
+                r_p = cute.make_rmem_tensor(acc_s.layout, dt)
+                t_orp = cute.make_tensor(r_p.iterator, cute.make_layout(((2, 2, 2), 1, BN // 16),
+                                                                      stride=((1, 2, 4), 0, 8)))
+                # causal limits of this thread's two rows (fragment rows r and r + 8)
+                limit = cute.make_rmem_tensor((2,), Int32)
+                for i in cutlass.range_constexpr(2):
+                    limit[i] = length - n_b + mt * BLOCK_M + t_cs[2 * i][0]
+
+                for it in cutlass.range(n_tiles, unroll=1):
+                    stage = it % NS
+                    cute.arch.mbarrier_wait(mbar + stage, (it // NS) % 2)
+                    cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(D // 16):
+                        mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
+                        cute.gemm(mma_qk, acc_s, tSrQ[None, None, k, 0], tSrK[None, None, k, stage], acc_s)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+
+                    j0 = lo + it * BN
+                    for i in cutlass.range_constexpr(NS_ELEMS):
+                        x = acc_s[i]
+                        if const_expr(self.use_softcap):
+                            y = x * (k_scale / (softcap * Float32(LOG2E)))
+                            x = softcap * Float32(LOG2E) * (Float32(1.0) - Float32(2.0) / (
+                                cute.math.exp(Float32(2.0) * y) + Float32(1.0)))
+                        else:
+                            x = x * k_scale
+                        acc_s[i] = x
+                    if (j0 < full_lo) | (j0 + BN > full_hi):
+                        for i in cutlass.range_constexpr(NS_ELEMS):
+                            j = j0 + t_cs[i][1]
+                            lim = limit[(i // 2) % 2]
+                            visible = (j < hi) & (j >= start)
+                            if const_expr(self.causal):
+                                visible = visible & (j <= lim)
+                            if const_expr(self.use_window):
+                                visible = visible & (j >= lim - window_left)
+                            acc_s[i] = acc_s[i] if visible else Float32(-math.inf)
+                    for rh in cutlass.range_constexpr(2):
+                        t_max = Float32(NEG_BIG)
+                        for i in cutlass.range_constexpr(NS_ELEMS):
+                            if const_expr((i // 2) % 2 == rh):
+                                t_max = cutlass.max(t_max, acc_s[i])
+                        t_max = cutlass.max(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=1))
+                        t_max = cutlass.max(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=2))
+                        m_new = cutlass.max(m_run[rh], t_max)
+                        alpha = cute.arch.exp2(m_run[rh] - m_new)
+                        m_run[rh] = m_new
+                        psum = Float32(0.0)
+                        for i in cutlass.range_constexpr(NS_ELEMS):
+                            if const_expr((i // 2) % 2 == rh):
+                                p = cute.arch.exp2(acc_s[i] - m_new)
+                                acc_s[i] = p
+                                psum = psum + p
+                        l_run[rh] = l_run[rh] * alpha + psum
+                        for i in cutlass.range_constexpr(NO_ELEMS):
+                            if const_expr((i // 2) % 2 == rh):
+                                acc_o[i] = acc_o[i] * alpha
+                    r_p.store(acc_s.load().to(dt))
+                    cute.arch.mbarrier_wait(mbar + NS + stage, (it // NS) % 2)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    warpgroup.fence()
+                    mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+                    for k in cutlass.range_constexpr(BN // 16):
+                        cute.gemm(mma_pv, acc_o, t_orp[None, None, k], tOrV[None, None, k, stage], acc_o)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(mbar + 2 * NS + stage)
+
+                # ---- epilogue: the sink, normalization, out and lse ----
+                sink = Float32(NEG_BIG)
+                if has_sinks != 0:
+                    sinks = cute.make_tensor(sinks_ptr, cute.make_layout((1 << 30,)))
+                    sink = Float32(sinks[hq]) * Float32(LOG2E)
+                for rh in cutlass.range_constexpr(2):
+                    l_r = l_run[rh]
+                    l_r = l_r + cute.arch.shuffle_sync_bfly(l_r, offset=1)
+                    l_r = l_r + cute.arch.shuffle_sync_bfly(l_r, offset=2)
+                    m_r = m_run[rh]
+                    m_f = cutlass.max(m_r, sink)
+                    seen = l_r > Float32(0.0)
+                    l_f = Float32(1.0)
+                    if seen:
+                        l_f = l_r * cute.arch.exp2(m_r - m_f) + cute.arch.exp2(sink - m_f)
+                    f = Float32(0.0)
+                    if seen:
+                        f = cute.arch.exp2(m_r - m_f) * v_scale / l_f
+                    row = t_co[2 * rh][0]
+                    r = mt * BLOCK_M + row
+                    if r < n_b:
+                        out_row = (row0 + Int64(r)) * self.hq + Int64(hq)
+                        orow = cute.make_tensor(out_ptr + out_row * D, cute.make_layout((D,)))
+                        for i in cutlass.range_constexpr(NO_ELEMS):
+                            if const_expr((i // 2) % 2 == rh):
+                                orow[t_co[i][1]] = (acc_o[i] * f).to(dt)
+                        if t_co[2 * rh][1] == 0:
+                            lse = Float32(-math.inf)
+                            if seen:
+                                lse = (m_f + cute.math.log2(l_f)) * Float32(LN2)
+                            lse_rows[out_row] = lse
+
+    @cute.jit
+    def _produce(self, tidx: Int32, b: Int32, h: Int32, lo: Int32, hi: Int32, n_tiles: Int32,
+                 k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer, k_sp: Int64, k_so: Int64,
+                 k_sh: Int64, v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64, wK: cute.Tensor,
+                 wV: cute.Tensor, mbar: cute.Pointer):
+        """The producer warpgroup: each tile's K rows, then its V rows, into the ring by cp.async; the stage's
+        K-full and V-full mbarriers get this thread's arrival when its copies land (cp.async.mbarrier.arrive),
+        so the producer never waits for its own loads, only for a stage to be released."""
+        BN = const_expr(self.tile_n)
+        CH = const_expr(self.chunks)
+        NS = const_expr(self.stages)
+        dt = self.dtype
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
+                                   num_bits_per_copy=128)
+        pt_row = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
+        k_base = k_ptr.toint() + Int64(h) * k_sh * 2
+        v_base = v_ptr.toint() + Int64(h) * v_sh * 2
+        ROWS = const_expr(BN * CH // 128)  # rows of a tile this thread copies (one chunk each)
+        for it in cutlass.range(n_tiles, unroll=1):
+            stage = it % NS
+            if it >= NS:
+                cute.arch.mbarrier_wait(mbar + 2 * NS + stage, (it // NS + 1) % 2)
+            j0 = lo + it * BN
+            ch = tidx % CH
+            for kv in cutlass.range_constexpr(2):  # K first, so the scores can start before V lands
+                w = wK if kv == 0 else wV
+                gbase = k_base if kv == 0 else v_base
+                sp = k_sp if kv == 0 else v_sp
+                so = k_so if kv == 0 else v_so
+                for i in cutlass.range(ROWS, unroll=2):  # a rolled loop: the producer has 56 registers
+                    row = tidx // CH + i * (128 // CH)
+                    # rows past the range copy the last visible key (finite; the consumers mask it to P = 0)
+                    j = cutlass.min(j0 + row, hi - 1)
+                    page = Int64(pt_row[j // self.page])
+                    slot = Int64(j % self.page)
+                    src = cute.make_tensor(cute.make_ptr(dt, gbase + (page * sp + slot * so + ch * 8) * 2,
+                                                         cute.AddressSpace.gmem, assumed_align=16),
+                                           cute.make_layout((8,)))
+                    cute.copy(atom, src, self._chunk(w[stage, None, None, None, None, None], row, ch))
+                cute.arch.cp_async_mbarrier_arrive_noinc(mbar + kv * NS + stage)
