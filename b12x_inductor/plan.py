@@ -203,9 +203,10 @@ _CUTE_MMA_MIN_SPLIT_KEYS = 1024
 def _cute_plan(problem: Problem) -> Plan:
     if problem.mode == "extend":
         # kernels/cute/extend.py: 128 query rows (two consumer warpgroups) and a producer warpgroup; 128-key
-        # tiles, as many stages as shared memory holds (Q 32 KB + 64 KB per stage at D = 128).
+        # tiles (64-key tiles measured 2-4 % slower), as many stages as shared memory holds (Q 32 KB + 64 KB
+        # per stage at D = 128: 3 stages; kernels/cute/__init__.py: extend_geometry).
         return Plan(mode="extend", family="cute", num_splits=1, block_m=128, block_n=128, num_warps=12,
-                    num_stages=2 if problem.head_dim > 64 else 4, scratch_bytes=0)
+                    num_stages=3 if problem.head_dim > 64 else 4, scratch_bytes=0)
     num_splits = _split_count(problem, problem.batch * problem.num_kv_heads)
     tile = _CUTE_TILE
     if (problem.mode == "decode" and problem.kv_dtype == torch.float8_e4m3fn and problem.head_dim <= 128
@@ -218,7 +219,9 @@ def _cute_plan(problem: Problem) -> Plan:
 def _cute_measured_faster(problem: Problem) -> bool:
     """Where the CuTe family measured faster than Triton on the H200 (benchmarks/results/h200.md, "CuTe
     DSL"): decode from a float8 cache with D = 128 and at most 4 query heads per KV head (1.09-1.15x on all
-    six benchmark rows). bf16 decode (0.84-0.89x) and verify (0.3-0.4x) stay on Triton, whose products run
-    on tensor cores; configurations not measured (other head dims, larger groups) stay on Triton too."""
+    six benchmark rows; 1.11-1.20x with the 128-key tensor-core tiles on the four largest). bf16 decode
+    (0.84-0.89x) and verify (0.3-0.4x) stay on Triton, whose products run on tensor cores; so does extend,
+    where the wgmma kernel measured 0.97x and 1.05x on the two benchmark rows (not a margin to route every
+    prefill by); configurations not measured (other head dims, larger groups) stay on Triton too."""
     return (problem.mode == "decode" and problem.kv_dtype == torch.float8_e4m3fn and problem.head_dim == 128
             and problem.group <= 4)

@@ -62,6 +62,19 @@ def test_cute_family_plan_always_has_scratch():
         "extend", 1, 128, 12, 0)
 
 
+def test_cute_extend_plans_fit_shared_memory():
+    from b12x_inductor.kernels.cute import EXTEND_HEAD_DIMS, SMEM_LIMIT, extend_geometry
+    from b12x_inductor.plan import family_plan
+
+    for d in EXTEND_HEAD_DIMS:
+        for packed in (False, True):
+            plan = family_plan(_problem(q_len=300, packed=packed, head_dim=d), "cute")
+            geo = extend_geometry(d=d, tile_n=plan.block_n, stages=plan.num_stages)
+            assert geo is not None and geo["smem_bytes"] <= SMEM_LIMIT, (d, plan)
+    assert extend_geometry(d=128, tile_n=128, stages=4) is None  # 32 KB Q + 4 x 64 KB K/V > 227 KB
+    assert extend_geometry(d=256, tile_n=64, stages=2) is None  # D = 256 is not expressed
+
+
 def test_select_plan_picks_cute_only_where_installed_and_faster(monkeypatch):
     from b12x_inductor import plan as plan_mod
     from b12x_inductor.kernels import cute
@@ -132,7 +145,7 @@ EXTEND_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CAS
                                     q_lens=[390, 200], kv_start=True, sinks=True),
      dict(window_left=150, softcap=30.0, scale=0.07)),
 ]
-EXTEND_VARIANTS = {"plan": {}, "stages3": dict(num_stages=3), "n64_stages4": dict(block_n=64, num_stages=4)}
+EXTEND_VARIANTS = {"plan": {}, "stages2": dict(num_stages=2), "n64_stages4": dict(block_n=64, num_stages=4)}
 
 
 def _reference(t, options):

@@ -111,6 +111,24 @@ def mma_geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, n
                 ring_bytes=ring_bytes, smem_bytes=smem_bytes)
 
 
+EXTEND_BLOCK_M = 128  # extend.py: query rows per CTA (two consumer warpgroups of 64)
+
+
+def extend_geometry(*, d: int, tile_n: int, stages: int) -> dict | None:
+    """The extend kernel's shared memory (extend.py), or None where the configuration does not fit: a Q tile
+    of EXTEND_BLOCK_M x D and `stages` K and V tiles of tile_n x D, 16-bit, 1024-byte aligned for the 128-byte
+    swizzle, plus 3 x stages mbarriers."""
+    if d not in EXTEND_HEAD_DIMS or tile_n % 16 or not 16 <= tile_n <= 256 or stages < 2:
+        return None
+    q_bytes = EXTEND_BLOCK_M * d * 2
+    kv_bytes = tile_n * d * 2
+    smem_bytes = q_bytes + 2 * stages * kv_bytes + 1024 + 8 * 3 * stages
+    if smem_bytes > SMEM_LIMIT:
+        return None
+    return dict(d=d, tile_n=tile_n, stages=stages, chunks=d // 8, q_bytes=q_bytes, kv_bytes=kv_bytes,
+                smem_bytes=smem_bytes)
+
+
 def _cutlass_dtype(dtype):
     import cutlass
 

@@ -3,16 +3,19 @@
 One CTA of three warpgroups takes BM = 128 consecutive new tokens of one request and one query head, grid
 (Hq, tiles) as the Triton extend kernel (same tile map, same three key ranges, same masks):
 
-- warpgroup 0, the producer, gathers the K and V rows of each BN-key tile through the page table with
-  cp.async (16-byte chunks; key j lives at page page_table[b, j // PAGE], slot j % PAGE, the page id widened
-  to 64 bits) into a STAGES-deep ring of shared-memory buffers, zero-filling keys past the visible range.
-  When a tile has landed it fences the generic-proxy writes for the tensor cores (fence.proxy.async) and
-  arrives on the stage's `full` mbarrier; it waits on the stage's `empty` mbarrier before reusing it.
-  It keeps only 40 registers (setmaxnreg), the consumers take 232.
-- warpgroups 1 and 2, the consumers, own 64 query rows each: S = Q K^T with wgmma (Q and K from shared
-  memory), the masks (kv_start, causal, window; only on the tiles at the ends of the range), scale, softcap
-  and the online softmax on the accumulator fragments, then O += P V with wgmma (P from registers, V from
-  shared memory read N-major), and an arrive on the stage's `empty` mbarrier.
+- warpgroup 0, the producer (56 registers after setmaxnreg), gathers each BN-key tile through the page
+  table with cp.async (16-byte chunks; key j lives at page page_table[b, j // PAGE], slot j % PAGE, the page
+  id widened to 64 bits) into a STAGES-deep ring of shared-memory buffers: first the K rows, then the V rows,
+  each followed by cp.async.mbarrier.arrive on the stage's K-full or V-full mbarrier, so the arrival lands
+  when the copies do and the producer never waits on its own loads, only on a stage's `empty` mbarrier
+  before reusing it. Rows past the visible range copy the last visible key (finite values the consumers
+  mask to P = 0), so nothing stale or uninitialized is ever multiplied.
+- warpgroups 1 and 2, the consumers (224 registers), own 64 query rows each. Per tile: wait for K, fence the
+  cp.async (generic-proxy) writes for the tensor cores (fence.proxy.async), issue S = Q K^T (wgmma, Q and K
+  from shared memory), wait for the previous tile's V and issue its O += P V (wgmma, P from registers, V
+  read N-major), wait for S only, then scale, softcap, the masks (kv_start, causal, window; only on tiles
+  at the ends of the range) and the online softmax on the accumulator fragments, wait for P V, rescale O,
+  convert P to 16 bits and release the previous stage. The two consumer warpgroups share the tensor cores.
 
 Shared-memory tiles use the 128-byte swizzle wgmma reads: a tile of rows x D (Q, K or V; row = token or key)
 is stored as D / 64 slabs of rows x 128 bytes, 16-byte chunk c of row r at chunk position c ^ (r % 8). The
@@ -25,6 +28,10 @@ the A register fragment of the P V product's k-step, so P never leaves registers
 
 Packed q: the grid is fixed by the capacity (cdiv(T, BM) + B tiles); each CTA maps its tile to a request on
 the device from cu_seqlens_q, and the CTAs left over write zeros and lse = -inf into the padding rows.
+
+What limits it (benchmarks/results/h200.md, "CuTe DSL extend"): ptxas places the wait for P V before the
+softmax's exponentials (SASS: WARPGROUP.DEPBAR.LE gsb0, 0x0 ahead of the MUFU.EX2), so only the masks
+overlap the P V product; the kernel reaches 323-379 TFLOP/s, about Triton's.
 """
 
 from __future__ import annotations
@@ -38,10 +45,11 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
+from b12x_inductor.kernels.cute import EXTEND_BLOCK_M as BLOCK_M
+from b12x_inductor.kernels.cute import extend_geometry
 from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG
 
 LN2 = 0.6931471805599453
-BLOCK_M = 128  # query rows per CTA: two consumer warpgroups of 64
 THREADS = 384  # producer warpgroup + two consumer warpgroups
 PRODUCER_REGS, CONSUMER_REGS = 56, 224  # 128 x 56 + 256 x 224 <= 65536
 
@@ -54,10 +62,9 @@ class ExtendKernel:
         self.d, self.g, self.hq, self.batch, self.s, self.page, self.packed = d, g, hq, batch, s, page, packed
         self.tile_n, self.stages, self.dtype = tile_n, stages, q_dtype
         self.causal, self.use_window, self.use_softcap = causal, use_window, use_softcap
-        self.chunks = d // 8  # 16-byte chunks per row
-        self.q_bytes = BLOCK_M * d * 2
-        self.kv_bytes = tile_n * d * 2  # one K (or V) tile
-        self.smem_bytes = self.q_bytes + 2 * stages * self.kv_bytes + 1024 + 96
+        geo = extend_geometry(d=d, tile_n=tile_n, stages=stages)
+        assert geo is not None, "the plan's tile does not fit this kernel (kernels/cute/__init__.py: extend_geometry)"
+        self.__dict__.update(geo)
         self.tiles = (-(-s // BLOCK_M) + batch) if packed else batch * -(-s // BLOCK_M)
 
     @cute.jit
@@ -154,10 +161,8 @@ class ExtendKernel:
         wK = chunks_view(base + q_elems, BN, NS)
         wV = chunks_view(base + q_elems + NS * kv_elems, BN, NS)
 
-        kmaj = warpgroup.OperandMajorMode.K
-        mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, kmaj, kmaj, Float32, (2, 1, 1), (64, BN))
-        mma_pv = sm90_utils.make_trivial_tiled_mma(dt, dt, kmaj, warpgroup.OperandMajorMode.MN, Float32, (2, 1, 1),
-                                                   (64, D), a_source=warpgroup.OperandSource.RMEM)
+        mma_qk = self._mma_qk()
+        mma_pv = self._mma_pv()
         lq = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, BN, D), dt, 1)
         lk = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, BN, D), dt, NS)
         lv = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BLOCK_M, D, BN), dt, NS)
@@ -260,7 +265,6 @@ class ExtendKernel:
                 t_cs = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, BN)))
                 t_co = thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, D)))
                 acc_o.fill(0.0)
-                NS_ELEMS = const_expr(cute.size(acc_s))  # 2 x 2 x BN / 8
                 NO_ELEMS = const_expr(cute.size(acc_o))
                 m_run = cute.make_rmem_tensor((2,), Float32)
                 l_run = cute.make_rmem_tensor((2,), Float32)
@@ -275,67 +279,45 @@ class ExtendKernel:
                 for i in cutlass.range_constexpr(2):
                     limit[i] = length - n_b + mt * BLOCK_M + t_cs[2 * i][0]
 
-                for it in cutlass.range(n_tiles, unroll=1):
-                    stage = it % NS
-                    cute.arch.mbarrier_wait(mbar + stage, (it // NS) % 2)
+                alpha = cute.make_rmem_tensor((2,), Float32)
+                if n_tiles > 0:
+                    # tile 0: scores and softmax; its P V is issued with the next tile's scores
+                    cute.arch.mbarrier_wait(mbar + 0, 0)
                     cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
                     warpgroup.fence()
-                    for k in cutlass.range_constexpr(D // 16):
-                        mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
-                        cute.gemm(mma_qk, acc_s, tSrQ[None, None, k, 0], tSrK[None, None, k, stage], acc_s)
-                    warpgroup.commit_group()
+                    self._scores(acc_s, tSrQ, tSrK, 0)
                     warpgroup.wait_group(0)
-
-                    j0 = lo + it * BN
-                    for i in cutlass.range_constexpr(NS_ELEMS):
-                        x = acc_s[i]
-                        if const_expr(self.use_softcap):
-                            y = x * (k_scale / (softcap * Float32(LOG2E)))
-                            x = softcap * Float32(LOG2E) * (Float32(1.0) - Float32(2.0) / (
-                                cute.math.exp(Float32(2.0) * y) + Float32(1.0)))
-                        else:
-                            x = x * k_scale
-                        acc_s[i] = x
-                    if (j0 < full_lo) | (j0 + BN > full_hi):
-                        for i in cutlass.range_constexpr(NS_ELEMS):
-                            j = j0 + t_cs[i][1]
-                            lim = limit[(i // 2) % 2]
-                            visible = (j < hi) & (j >= start)
-                            if const_expr(self.causal):
-                                visible = visible & (j <= lim)
-                            if const_expr(self.use_window):
-                                visible = visible & (j >= lim - window_left)
-                            acc_s[i] = acc_s[i] if visible else Float32(-math.inf)
-                    for rh in cutlass.range_constexpr(2):
-                        t_max = Float32(NEG_BIG)
-                        for i in cutlass.range_constexpr(NS_ELEMS):
-                            if const_expr((i // 2) % 2 == rh):
-                                t_max = cutlass.max(t_max, acc_s[i])
-                        t_max = cutlass.max(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=1))
-                        t_max = cutlass.max(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=2))
-                        m_new = cutlass.max(m_run[rh], t_max)
-                        alpha = cute.arch.exp2(m_run[rh] - m_new)
-                        m_run[rh] = m_new
-                        psum = Float32(0.0)
-                        for i in cutlass.range_constexpr(NS_ELEMS):
-                            if const_expr((i // 2) % 2 == rh):
-                                p = cute.arch.exp2(acc_s[i] - m_new)
-                                acc_s[i] = p
-                                psum = psum + p
-                        l_run[rh] = l_run[rh] * alpha + psum
-                        for i in cutlass.range_constexpr(NO_ELEMS):
-                            if const_expr((i // 2) % 2 == rh):
-                                acc_o[i] = acc_o[i] * alpha
+                    self._softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo, hi, start, full_lo, full_hi,
+                                  k_scale, softcap, window_left)
                     r_p.store(acc_s.load().to(dt))
-                    cute.arch.mbarrier_wait(mbar + NS + stage, (it // NS) % 2)
+                for it in cutlass.range(1, n_tiles, unroll=1):
+                    # in flight together: S = Q K^T of tile it, O += P V of tile it - 1, then the softmax of
+                    # tile it on the CUDA cores while P V runs; O is rescaled once P V is done
+                    stage = it % NS
+                    prev = (it - 1) % NS
+                    cute.arch.mbarrier_wait(mbar + stage, (it // NS) % 2)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     warpgroup.fence()
-                    mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-                    for k in cutlass.range_constexpr(BN // 16):
-                        cute.gemm(mma_pv, acc_o, t_orp[None, None, k], tOrV[None, None, k, stage], acc_o)
-                    warpgroup.commit_group()
+                    self._scores(acc_s, tSrQ, tSrK, stage)
+                    cute.arch.mbarrier_wait(mbar + NS + prev, ((it - 1) // NS) % 2)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self._pv(acc_o, t_orp, tOrV, prev)
+                    warpgroup.wait_group(1)
+                    self._softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo + it * BN, hi, start, full_lo,
+                                  full_hi, k_scale, softcap, window_left)
                     warpgroup.wait_group(0)
-                    cute.arch.mbarrier_arrive(mbar + 2 * NS + stage)
+                    for i in cutlass.range_constexpr(NO_ELEMS):
+                        acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+                    r_p.store(acc_s.load().to(dt))
+                    cute.arch.mbarrier_arrive(mbar + 2 * NS + prev)
+                if n_tiles > 0:
+                    last = (n_tiles - 1) % NS
+                    cute.arch.mbarrier_wait(mbar + NS + last, ((n_tiles - 1) // NS) % 2)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    warpgroup.fence()
+                    self._pv(acc_o, t_orp, tOrV, last)
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(mbar + 2 * NS + last)
 
                 # ---- epilogue: the sink, normalization, out and lse ----
                 sink = Float32(NEG_BIG)
@@ -368,6 +350,83 @@ class ExtendKernel:
                             if seen:
                                 lse = (m_f + cute.math.log2(l_f)) * Float32(LN2)
                             lse_rows[out_row] = lse
+
+    def _mma_qk(self):
+        """S = Q K^T: two warpgroups of 64 rows, Q and K from shared memory (both K-major)."""
+        kmaj = warpgroup.OperandMajorMode.K
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, kmaj, kmaj, Float32, (2, 1, 1),
+                                                 (64, self.tile_n))
+
+    def _mma_pv(self):
+        """O += P V: P from registers, V from shared memory read N-major (the head dim is contiguous)."""
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, warpgroup.OperandMajorMode.K,
+                                                 warpgroup.OperandMajorMode.MN, Float32, (2, 1, 1), (64, self.d),
+                                                 a_source=warpgroup.OperandSource.RMEM)
+
+    @cute.jit
+    def _scores(self, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor, stage: Int32):
+        """Issues S = Q K^T of the K tile in `stage` (D / 16 wgmma k-steps, one commit group). The tiled MMA
+        is made here: its accumulate flag is traced state that must not cross a control-flow region."""
+        mma_qk = self._mma_qk()
+        for k in cutlass.range_constexpr(self.d // 16):
+            mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(mma_qk, acc_s, tSrQ[None, None, k, 0], tSrK[None, None, k, stage], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _pv(self, acc_o: cute.Tensor, t_orp: cute.Tensor, tOrV: cute.Tensor, stage: Int32):
+        """Issues O += P V with P from registers and the V tile in `stage` (one commit group)."""
+        mma_pv = self._mma_pv()
+        mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(self.tile_n // 16):
+            cute.gemm(mma_pv, acc_o, t_orp[None, None, k], tOrV[None, None, k, stage], acc_o)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _softmax(self, acc_s: cute.Tensor, t_cs: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor,
+                 alpha: cute.Tensor, limit: cute.Tensor, j0: Int32, hi: Int32, start: Int32, full_lo: Int32,
+                 full_hi: Int32, k_scale: Float32, softcap: Float32, window_left: Int32):
+        """One score tile (keys j0 ...) in place: scale and softcap (log2 domain), the masks where the tile
+        reaches past the fully visible range, P = exp2(S - m); updates the rows' running max and sum and sets
+        alpha, the factor that rescales O to the new max. Fragment element i is in row half (i // 2) % 2."""
+        BN = const_expr(self.tile_n)
+        N = const_expr(cute.size(acc_s))
+        for i in cutlass.range_constexpr(N):
+            x = acc_s[i]
+            if const_expr(self.use_softcap):
+                y = x * (k_scale / (softcap * Float32(LOG2E)))
+                x = softcap * Float32(LOG2E) * (Float32(1.0) - Float32(2.0) / (
+                    cute.math.exp(Float32(2.0) * y) + Float32(1.0)))
+            else:
+                x = x * k_scale
+            acc_s[i] = x
+        if (j0 < full_lo) | (j0 + BN > full_hi):
+            for i in cutlass.range_constexpr(N):
+                j = j0 + t_cs[i][1]
+                lim = limit[(i // 2) % 2]
+                visible = (j < hi) & (j >= start)
+                if const_expr(self.causal):
+                    visible = visible & (j <= lim)
+                if const_expr(self.use_window):
+                    visible = visible & (j >= lim - window_left)
+                acc_s[i] = acc_s[i] if visible else Float32(-math.inf)
+        for rh in cutlass.range_constexpr(2):
+            t_max = Float32(NEG_BIG)
+            for i in cutlass.range_constexpr(N):
+                if const_expr((i // 2) % 2 == rh):
+                    t_max = cute.arch.fmax(t_max, acc_s[i])
+            t_max = cute.arch.fmax(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=1))
+            t_max = cute.arch.fmax(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=2))
+            m_new = cute.arch.fmax(m_run[rh], t_max)
+            alpha[rh] = cute.arch.exp2(m_run[rh] - m_new)
+            m_run[rh] = m_new
+            psum = Float32(0.0)
+            for i in cutlass.range_constexpr(N):
+                if const_expr((i // 2) % 2 == rh):
+                    p = cute.arch.exp2(acc_s[i] - m_new)
+                    acc_s[i] = p
+                    psum = psum + p
+            l_run[rh] = l_run[rh] * alpha[rh] + psum
 
     @cute.jit
     def _produce(self, tidx: Int32, b: Int32, h: Int32, lo: Int32, hi: Int32, n_tiles: Int32,
