@@ -42,6 +42,49 @@ LOG2E = 1.4426950408889634
 NEG_BIG = -1.0e30
 
 
+# Shared by the family's kernels (decode.py, decode_mma.py, extend.py): the per-(request, KV head) scales, a
+# score's log2-domain logit and whether a key is visible to a row.
+
+@cute.jit
+def scales(kds_ptr: cute.Pointer, vds_ptr: cute.Pointer, has_kds: Int32, has_vds: Int32, kds_b: Int32,
+           kds_h: Int32, vds_b: Int32, vds_h: Int32, sm_scale: Float32, b: Int32, h: Int32):
+    """(k_scale, v_scale): the logit scale in the log2 domain with the K descale folded in; the V descale."""
+    k_scale = sm_scale * Float32(LOG2E)
+    if has_kds != 0:
+        kds = cute.make_tensor(kds_ptr, cute.make_layout((1 << 30,)))
+        k_scale = k_scale * Float32(kds[b * kds_b + h * kds_h])
+    v_scale = Float32(1.0)
+    if has_vds != 0:
+        vds = cute.make_tensor(vds_ptr, cute.make_layout((1 << 30,)))
+        v_scale = Float32(vds[b * vds_b + h * vds_h])
+    return k_scale, v_scale
+
+
+@cute.jit
+def logit(x: Float32, k_scale: Float32, softcap: Float32, use_softcap: cutlass.Constexpr):
+    """A raw score q.k as a log2-domain logit: scaled (descale folded into k_scale), and with use_softcap
+    softcap * tanh(score * scale / softcap) (tanh as 1 - 2 / (exp(2y) + 1))."""
+    if const_expr(use_softcap):
+        y = x * (k_scale / (softcap * Float32(LOG2E)))
+        x = softcap * Float32(LOG2E) * (Float32(1.0) - Float32(2.0) / (cute.math.exp(Float32(2.0) * y) + Float32(1.0)))
+    else:
+        x = x * k_scale
+    return x
+
+
+@cute.jit
+def visible(j: Int32, hi: Int32, start: Int32, limit: Int32, window_left: Int32, causal: cutlass.Constexpr,
+            use_window: cutlass.Constexpr):
+    """Whether key j is visible to a row whose causal limit (last visible key) is `limit`: below `hi`, at or
+    after kv_start, and (causal) at most limit, (window) at least limit - window_left."""
+    ok = (j < hi) & (j >= start)
+    if const_expr(causal):
+        ok = ok & (j <= limit)
+    if const_expr(use_window):
+        ok = ok & (j >= limit - window_left)
+    return ok
+
+
 class SplitKernel:
     """The split kernel for one set of compile-time constants (see `kernels/cute/__init__.py`)."""
 
@@ -130,20 +173,6 @@ class SplitKernel:
         n_tiles = cutlass.max((s_hi - s_lo + TILE_N - 1) // TILE_N, Int32(0))
         return length, start, s_lo, s_hi, n_tiles
 
-    @cute.jit
-    def _scales(self, kds_ptr: cute.Pointer, vds_ptr: cute.Pointer, has_kds: Int32, has_vds: Int32, kds_b: Int32,
-                kds_h: Int32, vds_b: Int32, vds_h: Int32, sm_scale: Float32, b: Int32, h: Int32):
-        """(k_scale, v_scale): the logit scale in the log2 domain with the K descale folded in; the V descale."""
-        k_scale = sm_scale * Float32(LOG2E)
-        if has_kds != 0:
-            kds = cute.make_tensor(kds_ptr, cute.make_layout((1 << 30,)))
-            k_scale = k_scale * Float32(kds[b * kds_b + h * kds_h])
-        v_scale = Float32(1.0)
-        if has_vds != 0:
-            vds = cute.make_tensor(vds_ptr, cute.make_layout((1 << 30,)))
-            v_scale = Float32(vds[b * vds_b + h * vds_h])
-        return k_scale, v_scale
-
     @cute.kernel
     def kernel(
         self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer,
@@ -191,7 +220,7 @@ class SplitKernel:
         # ---- the split's key range, from the live length (device-side) ----
         length, start, s_lo, s_hi, n_tiles = self._split_range(seqlens_ptr, kv_start_ptr, has_kv_start, window_left,
                                                                split, b)
-        k_scale, v_scale = self._scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h, sm_scale, b, h)
+        k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h, sm_scale, b, h)
 
         # ---- q rows of this KV head -> shared memory (fp32) ----
         q_rows = cute.make_tensor(q_ptr, cute.make_layout((1 << 30,)))
@@ -281,18 +310,9 @@ class SplitKernel:
                         x = Float32(0.0)
                         for p in cutlass.range_constexpr(PARTS):
                             x = x + sS[p, r, key]
-                        if const_expr(self.use_softcap):
-                            y = x * (k_scale / (softcap * Float32(LOG2E)))
-                            x = softcap * Float32(LOG2E) * (Float32(1.0) - Float32(2.0) / (
-                                cute.math.exp(Float32(2.0) * y) + Float32(1.0)))
-                        else:
-                            x = x * k_scale
-                        visible = (j < s_hi) & (j >= start)
-                        if const_expr(self.causal):
-                            visible = visible & (j <= limit)
-                        if const_expr(self.use_window):
-                            visible = visible & (j >= limit - window_left)
-                        x = x if visible else Float32(-math.inf)
+                        x = logit(x, k_scale, softcap, self.use_softcap)
+                        ok = visible(j, s_hi, start, limit, window_left, self.causal, self.use_window)
+                        x = x if ok else Float32(-math.inf)
                         pv[u] = x
                         t_max = cutlass.max(t_max, x)
                     for off in cutlass.range_constexpr(5):

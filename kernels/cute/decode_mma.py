@@ -26,7 +26,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from b12x_inductor.kernels.cute import mma_geometry
-from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG, SplitKernel
+from b12x_inductor.kernels.cute.decode import NEG_BIG, SplitKernel, logit, scales, visible
 
 
 @dsl_user_op
@@ -147,7 +147,7 @@ class MmaSplitKernel(SplitKernel):
         # ---- the split's key range, from the live length (device-side) ----
         length, start, s_lo, s_hi, n_tiles = self._split_range(seqlens_ptr, kv_start_ptr, has_kv_start, window_left,
                                                                split, b)
-        k_scale, v_scale = self._scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h, sm_scale, b, h)
+        k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h, sm_scale, b, h)
 
         # ---- q rows -> A fragments (registers), zero past the R live rows ----
         q_rows = cute.make_tensor(q_ptr, cute.make_layout((1 << 30,)))
@@ -227,20 +227,10 @@ class MmaSplitKernel(SplitKernel):
             for t in cutlass.range_constexpr(KW // 8):
                 for c in cutlass.range_constexpr(4):
                     j = tile_lo + key0 + 8 * t + 2 * tq + c % 2
-                    x = sacc[t, c]
-                    if const_expr(self.use_softcap):
-                        y = x * (k_scale / (softcap * Float32(LOG2E)))
-                        x = softcap * Float32(LOG2E) * (Float32(1.0) - Float32(2.0) / (
-                            cute.math.exp(Float32(2.0) * y) + Float32(1.0)))
-                    else:
-                        x = x * k_scale
+                    x = logit(sacc[t, c], k_scale, softcap, self.use_softcap)
                     limit = limit0 if c < 2 else limit1
-                    visible = (j < s_hi) & (j >= start)
-                    if const_expr(self.causal):
-                        visible = visible & (j <= limit)
-                    if const_expr(self.use_window):
-                        visible = visible & (j >= limit - window_left)
-                    sacc[t, c] = x if visible else Float32(-math.inf)
+                    ok = visible(j, s_hi, start, limit, window_left, self.causal, self.use_window)
+                    sacc[t, c] = x if ok else Float32(-math.inf)
             for i in cutlass.range_constexpr(2):
                 t_max = Float32(NEG_BIG)
                 for t in cutlass.range_constexpr(KW // 8):

@@ -47,7 +47,7 @@ from cutlass.utils import LayoutEnum
 
 from b12x_inductor.kernels.cute import EXTEND_BLOCK_M as BLOCK_M
 from b12x_inductor.kernels.cute import extend_geometry
-from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG
+from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG, logit, scales, visible
 
 LN2 = 0.6931471805599453
 THREADS = 384  # producer warpgroup + two consumer warpgroups
@@ -246,14 +246,8 @@ class ExtendKernel:
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
 
-                k_scale = sm_scale * Float32(LOG2E)
-                if has_kds != 0:
-                    kds = cute.make_tensor(kds_ptr, cute.make_layout((1 << 30,)))
-                    k_scale = k_scale * Float32(kds[b * kds_b + h * kds_h])
-                v_scale = Float32(1.0)
-                if has_vds != 0:
-                    vds = cute.make_tensor(vds_ptr, cute.make_layout((1 << 30,)))
-                    v_scale = Float32(vds[b * vds_b + h * vds_h])
+                k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h, sm_scale,
+                                          b, h)
 
                 thr_qk = mma_qk.get_slice(ctid)
                 thr_pv = mma_pv.get_slice(ctid)
@@ -392,24 +386,12 @@ class ExtendKernel:
         BN = const_expr(self.tile_n)
         N = const_expr(cute.size(acc_s))
         for i in cutlass.range_constexpr(N):
-            x = acc_s[i]
-            if const_expr(self.use_softcap):
-                y = x * (k_scale / (softcap * Float32(LOG2E)))
-                x = softcap * Float32(LOG2E) * (Float32(1.0) - Float32(2.0) / (
-                    cute.math.exp(Float32(2.0) * y) + Float32(1.0)))
-            else:
-                x = x * k_scale
-            acc_s[i] = x
+            acc_s[i] = logit(acc_s[i], k_scale, softcap, self.use_softcap)
         if (j0 < full_lo) | (j0 + BN > full_hi):
             for i in cutlass.range_constexpr(N):
-                j = j0 + t_cs[i][1]
-                lim = limit[(i // 2) % 2]
-                visible = (j < hi) & (j >= start)
-                if const_expr(self.causal):
-                    visible = visible & (j <= lim)
-                if const_expr(self.use_window):
-                    visible = visible & (j >= lim - window_left)
-                acc_s[i] = acc_s[i] if visible else Float32(-math.inf)
+                ok = visible(j0 + t_cs[i][1], hi, start, limit[(i // 2) % 2], window_left, self.causal,
+                             self.use_window)
+                acc_s[i] = acc_s[i] if ok else Float32(-math.inf)
         for rh in cutlass.range_constexpr(2):
             t_max = Float32(NEG_BIG)
             for i in cutlass.range_constexpr(N):
