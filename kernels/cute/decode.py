@@ -43,7 +43,7 @@ NEG_BIG = -1.0e30
 
 
 # Shared by the family's kernels (decode.py, decode_mma.py, extend.py): the per-(request, KV head) scales, a
-# score's log2-domain logit and whether a key is visible to a row.
+# request's live key range, a score's log2-domain logit and whether a key is visible to a row.
 
 @cute.jit
 def scales(kds_ptr: cute.Pointer, vds_ptr: cute.Pointer, has_kds: Int32, has_vds: Int32, kds_b: Int32,
@@ -58,6 +58,18 @@ def scales(kds_ptr: cute.Pointer, vds_ptr: cute.Pointer, has_kds: Int32, has_vds
         vds = cute.make_tensor(vds_ptr, cute.make_layout((1 << 30,)))
         v_scale = Float32(vds[b * vds_b + h * vds_h])
     return k_scale, v_scale
+
+
+@cute.jit
+def live_range(seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, has_kv_start: Int32, b: Int32):
+    """(length, start): request b's live length (read on the device) and first visible key (kv_start, >= 0)."""
+    seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout((1 << 30,)))
+    length = Int32(seqlens[b])
+    start = Int32(0)
+    if has_kv_start != 0:
+        kvs = cute.make_tensor(kv_start_ptr, cute.make_layout((1 << 30,)))
+        start = cutlass.max(Int32(kvs[b]), Int32(0))
+    return length, start
 
 
 @cute.jit
@@ -155,12 +167,7 @@ class SplitKernel:
         """(length, start, s_lo, s_hi, n_tiles): this split's visible key range [s_lo, s_hi), sized on the device
         from the live length exactly as the Triton kernel does, in whole tiles."""
         TILE_N = const_expr(self.tile_n)
-        seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout((1 << 30,)))
-        length = Int32(seqlens[b])
-        start = Int32(0)
-        if has_kv_start != 0:
-            kvs = cute.make_tensor(kv_start_ptr, cute.make_layout((1 << 30,)))
-            start = cutlass.max(Int32(kvs[b]), Int32(0))
+        length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b)
         lo = start
         if const_expr(self.use_window):
             lo = cutlass.max(lo, length - self.s - window_left)

@@ -47,7 +47,7 @@ from cutlass.utils import LayoutEnum
 
 from b12x_inductor.kernels.cute import EXTEND_BLOCK_M as BLOCK_M
 from b12x_inductor.kernels.cute import extend_geometry
-from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG, logit, scales, visible
+from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG, live_range, logit, scales, visible
 
 LN2 = 0.6931471805599453
 THREADS = 384  # producer warpgroup + two consumer warpgroups
@@ -192,12 +192,7 @@ class ExtendKernel:
                         lse_rows[Int64(r) * self.hq + Int64(hq)] = Float32(-math.inf)
         else:
             # ---- the visible key range, on the device (as the Triton extend kernel) ----
-            seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout((1 << 30,)))
-            length = Int32(seqlens[b])
-            start = Int32(0)
-            if has_kv_start != 0:
-                kvs = cute.make_tensor(kv_start_ptr, cute.make_layout((1 << 30,)))
-                start = cutlass.max(Int32(kvs[b]), Int32(0))
+            length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b)
             c_min = length - n_b + mt * BLOCK_M
             c_max = length - n_b + cutlass.min(mt * BLOCK_M + BLOCK_M, n_b) - 1
             lo = start
