@@ -100,10 +100,14 @@ def visible(j: Int32, hi: Int32, start: Int32, limit: Int32, window_left: Int32,
 class SplitKernel:
     """The split kernel for one set of compile-time constants (see `kernels/cute/__init__.py`)."""
 
+    GEOMETRY = staticmethod(geometry)  # the thread geometry function of this kernel (kernels/cute/__init__.py)
+
     def __init__(self, *, d: int, s: int, g: int, hkv: int, page: int, num_splits: int, tile_n: int, stages: int,
                  num_warps: int, q_dtype, kv_dtype, causal: bool, use_window: bool, use_softcap: bool):
-        geo = geometry(d=d, rows=s * g, kv_bits=kv_dtype.width, tile_n=tile_n, stages=stages, num_warps=num_warps)
-        assert geo is not None, "the plan's tile does not fit this kernel (kernels/cute/__init__.py: geometry)"
+        geo = self.GEOMETRY(d=d, rows=s * g, kv_bits=kv_dtype.width, tile_n=tile_n, stages=stages,
+                            num_warps=num_warps)
+        assert geo is not None, ("the plan's tile does not fit this kernel (kernels/cute/__init__.py: "
+                                 f"{self.GEOMETRY.__name__})")
         self.__dict__.update(geo)
         self.s, self.g, self.hkv, self.page, self.num_splits = s, g, hkv, page, num_splits
         self.q_dtype, self.kv_dtype = q_dtype, kv_dtype

@@ -67,17 +67,12 @@ def _e4m3x2_to_f16x2(x, *, loc=None, ip=None):
 class MmaSplitKernel(SplitKernel):
     """The tensor-core split kernel for one set of compile-time constants."""
 
-    def __init__(self, *, d: int, s: int, g: int, hkv: int, page: int, num_splits: int, tile_n: int, stages: int,
-                 num_warps: int, q_dtype, kv_dtype, causal: bool, use_window: bool, use_softcap: bool):
-        geo = mma_geometry(d=d, rows=s * g, kv_bits=kv_dtype.width, tile_n=tile_n, stages=stages,
-                           num_warps=num_warps)
-        assert geo is not None, "the plan's tile does not fit this kernel (kernels/cute/__init__.py: mma_geometry)"
-        self.__dict__.update(geo)
-        self.s, self.g, self.hkv, self.page, self.num_splits = s, g, hkv, page, num_splits
-        self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
-        self.causal, self.use_window, self.use_softcap = causal, use_window, use_softcap
-        self.fp8 = kv_dtype.width == 8
-        self.bf16_ops = (not self.fp8) and q_dtype is cutlass.BFloat16
+    GEOMETRY = staticmethod(mma_geometry)
+
+    def __init__(self, **constants):
+        super().__init__(**constants)
+        self.fp8 = self.kv_dtype.width == 8
+        self.bf16_ops = (not self.fp8) and self.q_dtype is cutlass.BFloat16
 
     @cute.jit
     def _store(self, part_o: cute.Tensor, part_l: cute.Tensor, b: Int32, h: Int32, split: Int32, r: Int32,
