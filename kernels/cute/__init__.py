@@ -220,15 +220,14 @@ def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
     from cuda.bindings.driver import CUstream
     from cutlass import Float32, Int32, Int64
 
-    from b12x_inductor.kernels.triton import _cache_strides, _descale_args
+    from b12x_inductor.kernels.triton import _cache_dims, _cache_strides, _descale_args
 
     q, k_cache, v_cache, pt = tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["page_table"]
     layout = options["kv_layout"]
     packed = q.dim() == 3
-    hkv = k_cache.shape[2] if layout == "NHD" else k_cache.shape[1]
+    hkv, page = _cache_dims(k_cache.shape, layout)
     shapes = dict(d=q.shape[-1], hq=q.shape[-2], hkv=hkv, batch=pt.shape[0],
-                  q_len=q.shape[0] if packed else q.shape[1], packed=packed,
-                  page_size=k_cache.shape[1] if layout == "NHD" else k_cache.shape[2], q_dtype=q.dtype)
+                  q_len=q.shape[0] if packed else q.shape[1], packed=packed, page_size=page, q_dtype=q.dtype)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_aligned(name, t, shapes["d"])
     compiled = _compiled_extend(_extend_key(shapes, plan, options))
@@ -271,19 +270,16 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     if mode == "extend":
         _run_extend(tensors, out=out, lse=lse, options=options, plan=plan)
         return
-    import cutlass.cute as cute
     from cuda.bindings.driver import CUstream
     from cutlass import Float32, Int32, Int64
-    from cutlass.cute.runtime import make_ptr
 
     from b12x_inductor.kernels.triton import decode as triton_decode
-    from b12x_inductor.kernels.triton import _cache_strides, _pow2
+    from b12x_inductor.kernels.triton import _cache_dims, _cache_strides, _descale_args, _pow2
 
     q, k_cache, v_cache, pt = tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["page_table"]
     layout = options["kv_layout"]
     batch, s, hq, d = q.shape
-    hkv = k_cache.shape[2] if layout == "NHD" else k_cache.shape[1]
-    page = k_cache.shape[1] if layout == "NHD" else k_cache.shape[2]
+    hkv, page = _cache_dims(k_cache.shape, layout)
     shapes = dict(d=d, q_len=s, hq=hq, hkv=hkv, page_size=page, q_dtype=q.dtype, kv_dtype=k_cache.dtype)
     _check_aligned("k_cache", k_cache, d)
     _check_aligned("v_cache", v_cache, d)
@@ -294,39 +290,22 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     part_o, part_l = part[: rows * d], part[rows * d: rows * (d + 1)]
     kp, ko, kh = _cache_strides(k_cache.stride(), layout)
     vp, vo, vh = _cache_strides(v_cache.stride(), layout)
-    gmem = cute.AddressSpace.gmem
-    f32 = _cutlass_dtype(torch.float32)
-    i32 = _cutlass_dtype(torch.int32)
-
-    def ptr(t, dt=None, align=4):
-        return make_ptr(dt or _cutlass_dtype(t.dtype), t.data_ptr(), gmem, assumed_align=align)
-
-    def opt(name, dt):
-        t = tensors[name]
-        return (ptr(t, dt), t) if t is not None else (ptr(lse, dt), None)
-
-    def ds_strides(t):
-        if t is None or t.dim() == 0:
-            return 0, 0
-        return (t.stride(0), 0) if t.dim() == 1 else (t.stride(0), t.stride(1))
-
-    kv_start_p, kv_start = opt("kv_start", i32)
-    kds_p, kds = opt("k_descale", f32)
-    vds_p, vds = opt("v_descale", f32)
+    kds, kds_b, kds_h, has_kds = _descale_args(tensors["k_descale"], lse)
+    vds, vds_b, vds_h, has_vds = _descale_args(tensors["v_descale"], lse)
+    kv_start = tensors["kv_start"]
     window = int(options["window_left"])
     softcap = float(options["softcap"])
     stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     with torch.cuda.device(q.device):
         compiled(
-            ptr(q, align=q.element_size()), ptr(k_cache, align=16), ptr(v_cache, align=16), ptr(pt, i32),
-            ptr(tensors["cache_seqlens"], i32), kv_start_p, kds_p, vds_p, ptr(part_o, f32), ptr(part_l, f32),
-            Int32(batch),
-            Int64(q.stride(0)), Int64(q.stride(1)), Int64(q.stride(2)), Int64(kp), Int64(ko), Int64(kh),
-            Int64(vp), Int64(vo), Int64(vh), Int64(pt.stride(0)),
-            Int32(ds_strides(kds)[0]), Int32(ds_strides(kds)[1]), Int32(ds_strides(vds)[0]),
-            Int32(ds_strides(vds)[1]), Int32(kv_start is not None), Int32(kds is not None), Int32(vds is not None),
-            Int32(max(window, 0)), Float32(float(options["scale"])), Float32(softcap if softcap > 0 else 1.0),
-            stream,
+            _ptr(q, q.element_size()), _ptr(k_cache, 16), _ptr(v_cache, 16), _ptr(pt, 4, torch.int32),
+            _ptr(tensors["cache_seqlens"], 4, torch.int32),
+            _ptr(kv_start if kv_start is not None else lse, 4, torch.int32), _ptr(kds, 4, torch.float32),
+            _ptr(vds, 4, torch.float32), _ptr(part_o, 4), _ptr(part_l, 4), Int32(batch),
+            *[Int64(x) for x in (*q.stride()[:3], kp, ko, kh, vp, vo, vh, pt.stride(0))],
+            Int32(kds_b), Int32(kds_h), Int32(vds_b), Int32(vds_h), Int32(kv_start is not None), Int32(has_kds),
+            Int32(has_vds), Int32(max(window, 0)), Float32(float(options["scale"])),
+            Float32(softcap if softcap > 0 else 1.0), stream,
         )
         sinks = tensors["sinks"]
         triton_decode.merge_kernel[(batch * s * hq,)](

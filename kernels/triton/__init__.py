@@ -62,6 +62,12 @@ def _cache_strides(stride: tuple, kv_layout: str) -> tuple[int, int, int]:
     return (stride[0], stride[1], stride[2]) if kv_layout == "NHD" else (stride[0], stride[2], stride[1])
 
 
+def _cache_dims(shape: tuple, kv_layout: str) -> tuple[int, int]:
+    """(Hkv, page_size) of a cache [num_pages, page_size, Hkv, D] (NHD) or [num_pages, Hkv, page_size, D]
+    (HND)."""
+    return (shape[2], shape[1]) if kv_layout == "NHD" else (shape[1], shape[2])
+
+
 def _descale_args(ds, dummy):
     """(pointer, stride over B, stride over Hkv, flag) of a descale that is None, a scalar, [B] or [B, Hkv]."""
     if ds is None:
@@ -148,12 +154,10 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     """Runs one plan's kernels: writes out, lse and scratch only."""
     q, k_cache, v_cache = tensors["q"], tensors["k_cache"], tensors["v_cache"]
     packed = q.dim() == 3
-    layout = options["kv_layout"]
+    hkv, page_size = _cache_dims(k_cache.shape, options["kv_layout"])
     shapes = dict(
         batch=tensors["page_table"].shape[0], q_len=q.shape[0] if packed else q.shape[1], packed=packed,
-        hq=q.shape[-2], hkv=k_cache.shape[2] if layout == "NHD" else k_cache.shape[1], d=q.shape[-1],
-        page_size=k_cache.shape[1] if layout == "NHD" else k_cache.shape[2], q_dtype=q.dtype,
-        kv_dtype=k_cache.dtype,
+        hq=q.shape[-2], hkv=hkv, d=q.shape[-1], page_size=page_size, q_dtype=q.dtype, kv_dtype=k_cache.dtype,
         q_stride=q.stride(), k_stride=k_cache.stride(), v_stride=v_cache.stride(),
         pt_stride=tensors["page_table"].stride(0),
     )
