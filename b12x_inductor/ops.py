@@ -139,7 +139,7 @@ def _write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="NHD", k_scale=
     validate.check_write_kv(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale,
                             v_scale=v_scale)
     if validate.debug_enabled():
-        validate.check_slots(k_cache, slot_mapping, k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2])
+        validate.check_slots(k_cache, slot_mapping, validate.cache_dims(k_cache.shape, kv_layout)[0])
     from b12x_inductor.kernels.torch_impl import write_kv_torch
 
     write_kv_torch(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale)

@@ -44,6 +44,12 @@ def _check_tensor(op: str, name: str, t: object, *, dtype=None, dim=None, shape=
         _fail(op, name, "contiguous", f"strides {tuple(t.stride())}")
 
 
+def cache_dims(shape, kv_layout: str) -> tuple:
+    """(page_size, Hkv) of a cache of shape [num_pages, page_size, Hkv, D] (NHD) or [num_pages, Hkv,
+    page_size, D] (HND); `shape` may hold symbolic sizes."""
+    return (shape[1], shape[2]) if kv_layout == "NHD" else (shape[2], shape[1])
+
+
 def cache_geometry(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int]:
     """(num_pages, page_size, Hkv, D) of a paged cache pair, after checking the pair agrees."""
     if kv_layout not in ("NHD", "HND"):
@@ -58,8 +64,8 @@ def cache_geometry(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lay
         _fail(op, "v_cache", f"of k_cache's dtype {k_cache.dtype}", v_cache.dtype, TypeError)
     if k_cache.device != v_cache.device:
         _fail(op, "v_cache", f"on k_cache's device {k_cache.device}", v_cache.device)
-    n, a, b, d = _shape(k_cache)
-    page_size, hkv = (a, b) if kv_layout == "NHD" else (b, a)
+    n, _, _, d = _shape(k_cache)
+    page_size, hkv = cache_dims(_shape(k_cache), kv_layout)
     if page_size < 1:
         _fail(op, "k_cache", "a cache with page_size >= 1", f"shape {_shape(k_cache)} ({kv_layout})")
     return n, page_size, hkv, d
@@ -181,7 +187,7 @@ def check_device_values(q, k_cache, page_table, cache_seqlens, cu_seqlens_q, kv_
     """B12X_DEBUG=1: checks what only the device knows. Syncs with the host; for debugging only."""
     op = "paged_attention"
     num_pages = k_cache.shape[0]
-    page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
+    page_size, _ = cache_dims(k_cache.shape, kv_layout)
     cap = page_table.shape[1] * page_size
     lens = cache_seqlens.cpu().long()
     if bool((lens < 0).any()) or bool((lens > cap).any()):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from b12x_inductor.validate import cache_dims
+
 _CHUNK = 256  # query rows (4D q) or tokens (packed q) per batched matmul, to bound memory
 
 
@@ -63,8 +65,7 @@ def paged_attention_torch(
     """Writes out (q's shape and dtype) and lse (fp32, q's shape without D) for any mode."""
     batch, max_pages = page_table.shape
     hq, d = q.shape[-2], q.shape[-1]
-    hkv = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
-    page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
+    page_size, hkv = cache_dims(k_cache.shape, kv_layout)
     g = hq // hkv
     lengths = cache_seqlens.long()
     starts = torch.zeros_like(lengths) if kv_start is None else kv_start.long()
@@ -119,7 +120,7 @@ def write_kv_torch(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, 
     A skipped token rewrites the slot (and value) of the first kept token, so every index_put_ target gets
     one value however often it repeats; when no token is kept, slot 0 gets its own value back.
     """
-    page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
+    page_size, _ = cache_dims(k_cache.shape, kv_layout)
     n = slot_mapping.shape[0]
     if n == 0:
         return

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from b12x_inductor.plan import Problem, device_facts
+from b12x_inductor.validate import cache_dims
 from b12x_inductor.kernels import precompile
 from b12x_inductor.ops import entry_options, plan_for
 
@@ -33,7 +34,7 @@ def _sizes(node) -> list[int]:
 
 def _problem(q, k_cache, page_table, kv_layout: str) -> Problem:
     q_size, kv_size, pt_size = _sizes(q), _sizes(k_cache), _sizes(page_table)
-    page_size, hkv = (kv_size[1], kv_size[2]) if kv_layout == "NHD" else (kv_size[2], kv_size[1])
+    page_size, hkv = cache_dims(kv_size, kv_layout)
     device = q.get_device()
     sm_count, capability = device_facts(device)
     return Problem(

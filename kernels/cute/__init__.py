@@ -21,6 +21,7 @@ import functools
 import torch
 
 from b12x_inductor.plan import MAX_VERIFY_LEN
+from b12x_inductor.validate import cache_dims
 
 FP8 = torch.float8_e4m3fn
 HEAD_DIMS = (64, 128, 256)
@@ -220,12 +221,12 @@ def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
     from cuda.bindings.driver import CUstream
     from cutlass import Float32, Int32, Int64
 
-    from b12x_inductor.kernels.triton import _cache_dims, _cache_strides, _descale_args
+    from b12x_inductor.kernels.triton import _cache_strides, _descale_args
 
     q, k_cache, v_cache, pt = tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["page_table"]
     layout = options["kv_layout"]
     packed = q.dim() == 3
-    hkv, page = _cache_dims(k_cache.shape, layout)
+    page, hkv = cache_dims(k_cache.shape, layout)
     shapes = dict(d=q.shape[-1], hq=q.shape[-2], hkv=hkv, batch=pt.shape[0],
                   q_len=q.shape[0] if packed else q.shape[1], packed=packed, page_size=page, q_dtype=q.dtype)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -274,12 +275,12 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     from cutlass import Float32, Int32, Int64
 
     from b12x_inductor.kernels.triton import decode as triton_decode
-    from b12x_inductor.kernels.triton import _cache_dims, _cache_strides, _descale_args, _pow2
+    from b12x_inductor.kernels.triton import _cache_strides, _descale_args, _pow2
 
     q, k_cache, v_cache, pt = tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["page_table"]
     layout = options["kv_layout"]
     batch, s, hq, d = q.shape
-    hkv, page = _cache_dims(k_cache.shape, layout)
+    page, hkv = cache_dims(k_cache.shape, layout)
     shapes = dict(d=d, q_len=s, hq=hq, hkv=hkv, page_size=page, q_dtype=q.dtype, kv_dtype=k_cache.dtype)
     _check_aligned("k_cache", k_cache, d)
     _check_aligned("v_cache", v_cache, d)

@@ -14,6 +14,7 @@ import os
 import torch
 
 from b12x_inductor.plan import HEAD_DIMS
+from b12x_inductor.validate import cache_dims
 
 FP8 = torch.float8_e4m3fn
 _Q_DTYPES = (torch.bfloat16, torch.float16)
@@ -60,12 +61,6 @@ def _cache_strides(stride: tuple, kv_layout: str) -> tuple[int, int, int]:
     """(page, slot, head) strides of a cache [num_pages, page_size, Hkv, D] (NHD) or [num_pages, Hkv,
     page_size, D] (HND)."""
     return (stride[0], stride[1], stride[2]) if kv_layout == "NHD" else (stride[0], stride[2], stride[1])
-
-
-def _cache_dims(shape: tuple, kv_layout: str) -> tuple[int, int]:
-    """(Hkv, page_size) of a cache [num_pages, page_size, Hkv, D] (NHD) or [num_pages, Hkv, page_size, D]
-    (HND)."""
-    return (shape[2], shape[1]) if kv_layout == "NHD" else (shape[1], shape[2])
 
 
 def _descale_args(ds, dummy):
@@ -154,7 +149,7 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     """Runs one plan's kernels: writes out, lse and scratch only."""
     q, k_cache, v_cache = tensors["q"], tensors["k_cache"], tensors["v_cache"]
     packed = q.dim() == 3
-    hkv, page_size = _cache_dims(k_cache.shape, options["kv_layout"])
+    page_size, hkv = cache_dims(k_cache.shape, options["kv_layout"])
     shapes = dict(
         batch=tensors["page_table"].shape[0], q_len=q.shape[0] if packed else q.shape[1], packed=packed,
         hq=q.shape[-2], hkv=hkv, d=q.shape[-1], page_size=page_size, q_dtype=q.dtype, kv_dtype=k_cache.dtype,
