@@ -44,6 +44,19 @@ def _check_tensor(op: str, name: str, t: object, *, dtype=None, dim=None, shape=
         _fail(op, name, "contiguous", f"strides {tuple(t.stride())}")
 
 
+def _check_fp8_scale(op, name, s, cache_dtype, device, rows_name: str, rows: int, hkv: int) -> None:
+    """An optional float32 scale of a float8 cache (descale of paged_attention, scale of write_kv): None for
+    other caches, else a scalar, [rows] or [rows, Hkv]."""
+    if s is None:
+        return
+    if cache_dtype != FP8:
+        _fail(op, name, "None for a cache that is not float8_e4m3fn", "a tensor")
+    _check_tensor(op, name, s, dtype=torch.float32, device=device)
+    if _shape(s) not in ((), (rows,), (rows, hkv)):
+        _fail(op, name, f"a scalar, [{rows_name}] = ({rows},) or [{rows_name}, Hkv] = ({rows}, {hkv})",
+              f"shape {_shape(s)}")
+
+
 def cache_dims(shape, kv_layout: str) -> tuple:
     """(page_size, Hkv) of a cache of shape [num_pages, page_size, Hkv, D] (NHD) or [num_pages, Hkv,
     page_size, D] (HND); `shape` may hold symbolic sizes."""
@@ -122,13 +135,7 @@ def check_paged_attention(
     if sinks is not None:
         _check_tensor(op, "sinks", sinks, dtype=torch.float32, shape=(hq,), device=device, contiguous=True)
     for name, ds in (("k_descale", k_descale), ("v_descale", v_descale)):
-        if ds is None:
-            continue
-        if k_cache.dtype != FP8:
-            _fail(op, name, "None for a cache that is not float8_e4m3fn", "a tensor")
-        _check_tensor(op, name, ds, dtype=torch.float32, device=device)
-        if _shape(ds) not in ((), (batch,), (batch, hkv)):
-            _fail(op, name, f"a scalar, [B] = ({batch},) or [B, Hkv] = ({batch}, {hkv})", f"shape {_shape(ds)}")
+        _check_fp8_scale(op, name, ds, k_cache.dtype, device, "B", batch, hkv)
     if not isinstance(causal, bool):
         _fail(op, "causal", "a bool", type(causal).__name__, TypeError)
     if scale is not None and not (isinstance(scale, (int, float)) and 0.0 < float(scale) < float("inf")):
@@ -170,13 +177,7 @@ def check_write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, 
         _fail(op, "k", f"of shape [N, Hkv, D] = [N, {hkv}, {d}] (the cache's heads and head dim)", f"shape {_shape(k)}")
     _check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, shape=(n,), device=device)
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is None:
-            continue
-        if k_cache.dtype != FP8:
-            _fail(op, name, "None for a cache that is not float8_e4m3fn", "a tensor")
-        _check_tensor(op, name, s, dtype=torch.float32, device=device)
-        if _shape(s) not in ((), (n,), (n, hkv)):
-            _fail(op, name, f"a scalar, [N] = ({n},) or [N, Hkv] = ({n}, {hkv})", f"shape {_shape(s)}")
+        _check_fp8_scale(op, name, s, k_cache.dtype, device, "N", n, hkv)
 
 
 def debug_enabled() -> bool:
