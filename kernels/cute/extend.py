@@ -15,7 +15,8 @@ One CTA of three warpgroups takes BM = 128 consecutive new tokens of one request
   from shared memory), wait for the previous tile's V and issue its O += P V (wgmma, P from registers, V
   read N-major), wait for S only, then scale, softcap, the masks (kv_start, causal, window; only on tiles
   at the ends of the range) and the online softmax on the accumulator fragments, wait for P V, rescale O,
-  convert P to 16 bits and release the previous stage. The two consumer warpgroups share the tensor cores.
+  convert P to 16 bits and release the previous stage. The two consumer warpgroups take turns issuing
+  their GEMMs (named barriers 3 and 4, as FlashAttention-3's ping-pong).
 
 Shared-memory tiles use the 128-byte swizzle wgmma reads: a tile of rows x D (Q, K or V; row = token or key)
 is stored as D / 64 slabs of rows x 128 bytes, 16-byte chunk c of row r at chunk position c ^ (r % 8). The
@@ -51,6 +52,7 @@ from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG, live_range, logit,
 
 LN2 = 0.6931471805599453
 THREADS = 384  # producer warpgroup + two consumer warpgroups
+TURN_BAR = 3  # named barriers 3 and 4: consumer warpgroup 0's and 1's turn to issue (1 and 2 are the Q loads')
 PRODUCER_REGS, CONSUMER_REGS = 56, 224  # 128 x 56 + 256 x 224 <= 65536
 
 
@@ -269,12 +271,16 @@ class ExtendKernel:
                     limit[i] = length - n_b + mt * BLOCK_M + t_cs[2 * i][0]
 
                 alpha = cute.make_rmem_tensor((2,), Float32)
+                if wgc == 1:
+                    self._pass_turn(1)  # consumer warpgroup 0 issues first
                 if n_tiles > 0:
                     # tile 0: scores and softmax; its P V is issued with the next tile's scores
                     cute.arch.mbarrier_wait(mbar + 0, 0)
                     cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
+                    self._take_turn(wgc)
                     warpgroup.fence()
                     self._scores(acc_s, tSrQ, tSrK, 0)
+                    self._pass_turn(wgc)
                     warpgroup.wait_group(0)
                     self._softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo, hi, start, full_lo, full_hi,
                                   k_scale, softcap, window_left)
@@ -285,12 +291,13 @@ class ExtendKernel:
                     stage = it % NS
                     prev = (it - 1) % NS
                     cute.arch.mbarrier_wait(mbar + stage, (it // NS) % 2)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    warpgroup.fence()
-                    self._scores(acc_s, tSrQ, tSrK, stage)
                     cute.arch.mbarrier_wait(mbar + NS + prev, ((it - 1) // NS) % 2)
                     cute.arch.fence_proxy("async.shared", space="cta")
+                    self._take_turn(wgc)
+                    warpgroup.fence()
+                    self._scores(acc_s, tSrQ, tSrK, stage)
                     self._pv(acc_o, t_orp, tOrV, prev)
+                    self._pass_turn(wgc)
                     warpgroup.wait_group(1)
                     self._softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo + it * BN, hi, start, full_lo,
                                   full_hi, k_scale, softcap, window_left)
@@ -307,6 +314,8 @@ class ExtendKernel:
                     self._pv(acc_o, t_orp, tOrV, last)
                     warpgroup.wait_group(0)
                     cute.arch.mbarrier_arrive(mbar + 2 * NS + last)
+                if wgc == 0:
+                    self._take_turn(0)  # the other warpgroup's last pass: every turn barrier ends complete
 
                 # ---- epilogue: the sink, normalization, out and lse ----
                 sink = Float32(NEG_BIG)
@@ -351,6 +360,16 @@ class ExtendKernel:
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, warpgroup.OperandMajorMode.K,
                                                  warpgroup.OperandMajorMode.MN, Float32, (2, 1, 1), (64, self.d),
                                                  a_source=warpgroup.OperandSource.RMEM)
+
+    @staticmethod
+    def _take_turn(wgc):
+        """Waits until consumer warpgroup `wgc` may issue its GEMMs (the other one has issued its own)."""
+        cute.arch.barrier(barrier_id=TURN_BAR + wgc, number_of_threads=256)
+
+    @staticmethod
+    def _pass_turn(wgc):
+        """Consumer warpgroup `wgc` has issued its GEMMs: the other one may issue."""
+        cute.arch.barrier_arrive(barrier_id=TURN_BAR + 1 - wgc, number_of_threads=256)
 
     @cute.jit
     def _scores(self, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor, stage: Int32):
