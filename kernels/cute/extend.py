@@ -9,7 +9,9 @@ One CTA of three warpgroups takes BM = 128 consecutive new tokens of one request
   each followed by cp.async.mbarrier.arrive on the stage's K-full or V-full mbarrier, so the arrival lands
   when the copies do and the producer never waits on its own loads, only on a stage's `empty` mbarrier
   before reusing it. Rows past the visible range copy the last visible key (finite values the consumers
-  mask to P = 0), so nothing stale or uninitialized is ever multiplied.
+  mask to P = 0), so nothing stale or uninitialized is ever multiplied. The address arithmetic is kept to
+  about ten instructions per copy (unsigned key and page math, byte strides, 8 rows in flight): with 35 per
+  copy the producer was the bottleneck (the consumers spun on K-full; h200.md, "CuTe DSL extend").
 - warpgroups 1 and 2, the consumers (224 registers), own 64 query rows each. Per tile: wait for K, fence the
   cp.async (generic-proxy) writes for the tensor cores (fence.proxy.async), issue S = Q K^T (wgmma, Q and K
   from shared memory), wait for the previous tile's V and issue its O += P V (wgmma, P from registers, V
@@ -42,7 +44,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
@@ -439,27 +441,30 @@ class ExtendKernel:
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
                                    num_bits_per_copy=128)
         pt_row = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
-        k_base = k_ptr.toint() + Int64(h) * k_sh * 2
-        v_base = v_ptr.toint() + Int64(h) * v_sh * 2
+        # byte addresses, kept cheap (the producer issues one cp.async per ~10 instructions): page ids and key
+        # indices are non-negative, so they divide and widen as unsigned; the page offset stays 64-bit
+        ch = tidx % CH
+        k_base = k_ptr.toint() + Int64(h) * k_sh * 2 + ch * 16
+        v_base = v_ptr.toint() + Int64(h) * v_sh * 2 + ch * 16
+        k_sp_b, k_so_b, v_sp_b, v_so_b = k_sp * 2, k_so * 2, v_sp * 2, v_so * 2
+        last = Uint32(hi - 1)
         ROWS = const_expr(BN * CH // 128)  # rows of a tile this thread copies (one chunk each)
         for it in cutlass.range(n_tiles, unroll=1):
             stage = it % NS
             if it >= NS:
                 cute.arch.mbarrier_wait(mbar + 2 * NS + stage, (it // NS + 1) % 2)
-            j0 = lo + it * BN
-            ch = tidx % CH
+            j0 = Uint32(lo + it * BN + tidx // CH)
             for kv in cutlass.range_constexpr(2):  # K first, so the scores can start before V lands
                 w = wK if kv == 0 else wV
                 gbase = k_base if kv == 0 else v_base
-                sp = k_sp if kv == 0 else v_sp
-                so = k_so if kv == 0 else v_so
-                for i in cutlass.range(ROWS, unroll=2):  # a rolled loop: the producer has 56 registers
+                sp = k_sp_b if kv == 0 else v_sp_b
+                so = k_so_b if kv == 0 else v_so_b
+                for i in cutlass.range(ROWS, unroll=8):
                     row = tidx // CH + i * (128 // CH)
                     # rows past the range copy the last visible key (finite; the consumers mask it to P = 0)
-                    j = cutlass.min(j0 + row, hi - 1)
-                    page = Int64(pt_row[j // self.page])
-                    slot = Int64(j % self.page)
-                    src = cute.make_tensor(cute.make_ptr(dt, gbase + (page * sp + slot * so + ch * 8) * 2,
+                    j = cutlass.min(j0 + Uint32(i * (128 // CH)), last)
+                    page = Int64(Uint32(pt_row[j // self.page]))
+                    src = cute.make_tensor(cute.make_ptr(dt, gbase + page * sp + Int64(j % self.page) * so,
                                                          cute.AddressSpace.gmem, assumed_align=16),
                                            cute.make_layout((8,)))
                     cute.copy(atom, src, self._chunk(w[stage, None, None, None, None, None], row, ch))
