@@ -12,13 +12,17 @@ One CTA of three warpgroups takes BM = 128 consecutive new tokens of one request
   mask to P = 0), so nothing stale or uninitialized is ever multiplied. The address arithmetic is kept to
   about ten instructions per copy (unsigned key and page math, byte strides, 8 rows in flight): with 35 per
   copy the producer was the bottleneck (the consumers spun on K-full; h200.md, "CuTe DSL extend").
-- warpgroups 1 and 2, the consumers (224 registers), own 64 query rows each. Per tile: wait for K, fence the
-  cp.async (generic-proxy) writes for the tensor cores (fence.proxy.async), issue S = Q K^T (wgmma, Q and K
-  from shared memory), wait for the previous tile's V and issue its O += P V (wgmma, P from registers, V
-  read N-major), wait for S only, then scale, softcap, the masks (kv_start, causal, window; only on tiles
-  at the ends of the range) and the online softmax on the accumulator fragments, wait for P V, rescale O,
-  convert P to 16 bits and release the previous stage. The two consumer warpgroups take turns issuing
-  their GEMMs (named barriers 3 and 4, as FlashAttention-3's ping-pong).
+- warpgroups 1 and 2, the consumers (224 registers), own 64 query rows each. Per tile j: wait for the P V
+  of tile j - 2, rescale O to tile j - 1's max and convert its P to 16 bits, release tile j - 2's stage;
+  wait for K of tile j and V of tile j - 1, fence the cp.async (generic-proxy) writes for the tensor cores
+  (fence.proxy.async); issue S = Q K^T (wgmma, Q and K from shared memory) and O += P V of tile j - 1
+  (wgmma, P from registers, V read N-major); wait for S only, then softcap, the masks (kv_start, causal,
+  window; only on tiles at the ends of the range) and the online softmax on the accumulator fragments
+  while P V runs. The wait for P V sits at the top of the next iteration: placed after the softmax in the
+  same block, ptxas scheduled it ahead of the exponentials (SASS: WARPGROUP.DEPBAR.LE gsb0, 0x0 before
+  the MUFU.EX2), serializing them with the product.
+- the consumers take turns issuing their GEMMs (named barriers 3 and 4, as FlashAttention-3's ping-pong):
+  one warpgroup's softmax runs while the other's products occupy the tensor cores.
 
 Shared-memory tiles use the 128-byte swizzle wgmma reads: a tile of rows x D (Q, K or V; row = token or key)
 is stored as D / 64 slabs of rows x 128 bytes, 16-byte chunk c of row r at chunk position c ^ (r % 8). The
@@ -32,9 +36,9 @@ the A register fragment of the P V product's k-step, so P never leaves registers
 Packed q: the grid is fixed by the capacity (cdiv(T, BM) + B tiles); each CTA maps its tile to a request on
 the device from cu_seqlens_q, and the CTAs left over write zeros and lse = -inf into the padding rows.
 
-What limits it (benchmarks/results/h200.md, "CuTe DSL extend"): ptxas places the wait for P V before the
-softmax's exponentials (SASS: WARPGROUP.DEPBAR.LE gsb0, 0x0 ahead of the MUFU.EX2), so only the masks
-overlap the P V product; the kernel reaches 323-379 TFLOP/s, about Triton's.
+What limits it (benchmarks/results/h200.md, "CuTe DSL extend"; Nsight Compute): 405-461 TFLOP/s, the
+tensor pipe about half busy; each consumer warpgroup spends about half its time in the softmax, most of
+it issuing MUFU.EX2 (the SFU is shared with the other warpgroup's softmax on the same SM sub-partition).
 """
 
 from __future__ import annotations
@@ -286,10 +290,16 @@ class ExtendKernel:
                     warpgroup.wait_group(0)
                     self._softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo, hi, start, full_lo, full_hi,
                                   k_scale, softcap, window_left)
-                    r_p.store(acc_s.load().to(dt))
                 for it in cutlass.range(1, n_tiles, unroll=1):
-                    # in flight together: S = Q K^T of tile it, O += P V of tile it - 1, then the softmax of
-                    # tile it on the CUDA cores while P V runs; O is rescaled once P V is done
+                    # P V of tile it - 2 is done (its wait sits here, a loop iteration away from the softmax, so
+                    # the compiler cannot move it ahead of the exponentials): O to tile it - 1's max, P of tile
+                    # it - 1 into registers, tile it - 2's stage released
+                    warpgroup.wait_group(0)
+                    self._rescale_and_convert(acc_o, alpha, r_p, acc_s)
+                    if it >= 2:
+                        cute.arch.mbarrier_arrive(mbar + 2 * NS + (it - 2) % NS)
+                    # in flight together: S = Q K^T of tile it and O += P V of tile it - 1; the softmax of tile it
+                    # runs on the CUDA cores while P V (and the other consumer warpgroup's GEMMs) run
                     stage = it % NS
                     prev = (it - 1) % NS
                     cute.arch.mbarrier_wait(mbar + stage, (it // NS) % 2)
@@ -303,13 +313,12 @@ class ExtendKernel:
                     warpgroup.wait_group(1)
                     self._softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo + it * BN, hi, start, full_lo,
                                   full_hi, k_scale, softcap, window_left)
-                    warpgroup.wait_group(0)
-                    for i in cutlass.range_constexpr(NO_ELEMS):
-                        acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
-                    r_p.store(acc_s.load().to(dt))
-                    cute.arch.mbarrier_arrive(mbar + 2 * NS + prev)
                 if n_tiles > 0:
                     last = (n_tiles - 1) % NS
+                    warpgroup.wait_group(0)
+                    self._rescale_and_convert(acc_o, alpha, r_p, acc_s)
+                    if n_tiles >= 2:
+                        cute.arch.mbarrier_arrive(mbar + 2 * NS + (n_tiles - 2) % NS)
                     cute.arch.mbarrier_wait(mbar + NS + last, ((n_tiles - 1) // NS) % 2)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     warpgroup.fence()
@@ -374,6 +383,14 @@ class ExtendKernel:
         cute.arch.barrier_arrive(barrier_id=TURN_BAR + 1 - wgc, number_of_threads=256)
 
     @cute.jit
+    def _rescale_and_convert(self, acc_o: cute.Tensor, alpha: cute.Tensor, r_p: cute.Tensor, acc_s: cute.Tensor):
+        """O times alpha (its rows to the new running max), and P (the softmaxed score tile) to 16 bits, the A
+        registers of the next P V. Only once the P V in flight is done: it reads both."""
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+        r_p.store(acc_s.load().to(self.dtype))
+
+    @cute.jit
     def _scores(self, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor, stage: Int32):
         """Issues S = Q K^T of the K tile in `stage` (D / 16 wgmma k-steps, one commit group). The tiled MMA
         is made here: its accumulate flag is traced state that must not cross a control-flow region."""
@@ -396,35 +413,43 @@ class ExtendKernel:
     def _softmax(self, acc_s: cute.Tensor, t_cs: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor,
                  alpha: cute.Tensor, limit: cute.Tensor, j0: Int32, hi: Int32, start: Int32, full_lo: Int32,
                  full_hi: Int32, k_scale: Float32, softcap: Float32, window_left: Int32):
-        """One score tile (keys j0 ...) in place: scale and softcap (log2 domain), the masks where the tile
-        reaches past the fully visible range, P = exp2(S - m); updates the rows' running max and sum and sets
-        alpha, the factor that rescales O to the new max. Fragment element i is in row half (i // 2) % 2."""
+        """One score tile (keys j0 ...) in place: the masks where the tile reaches past the fully visible range,
+        then P = exp2(logit - m); updates the rows' running max and sum and sets alpha, the factor that rescales
+        O to the new max. Fragment element i is in row half (i // 2) % 2.
+
+        Without softcap the scale is folded into the exponent (one FMA, exp2(s * k_scale - m)) and the max is
+        taken on raw scores: k_scale > 0 (the scale is validated positive; the family takes caches in q's
+        dtype, so no descale). With softcap the logits are computed first. The max and the sum use four
+        partial chains per row (shorter dependency chains)."""
         BN = const_expr(self.tile_n)
         N = const_expr(cute.size(acc_s))
-        for i in cutlass.range_constexpr(N):
-            acc_s[i] = logit(acc_s[i], k_scale, softcap, self.use_softcap)
+        c = k_scale
+        if const_expr(self.use_softcap):
+            for i in cutlass.range_constexpr(N):
+                acc_s[i] = logit(acc_s[i], k_scale, softcap, True)
+            c = Float32(1.0)
         if (j0 < full_lo) | (j0 + BN > full_hi):
             for i in cutlass.range_constexpr(N):
                 ok = visible(j0 + t_cs[i][1], hi, start, limit[(i // 2) % 2], window_left, self.causal,
                              self.use_window)
                 acc_s[i] = acc_s[i] if ok else Float32(-math.inf)
         for rh in cutlass.range_constexpr(2):
-            t_max = Float32(NEG_BIG)
-            for i in cutlass.range_constexpr(N):
-                if const_expr((i // 2) % 2 == rh):
-                    t_max = cute.arch.fmax(t_max, acc_s[i])
+            idx = [i for i in range(N) if (i // 2) % 2 == rh]  # this row's elements (compile-time list)
+            part = [acc_s[idx[k]] for k in range(4)]
+            for k in cutlass.range_constexpr(4, len(idx)):
+                part[k % 4] = cute.arch.fmax(part[k % 4], acc_s[idx[k]])
+            t_max = cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
             t_max = cute.arch.fmax(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=1))
             t_max = cute.arch.fmax(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=2))
-            m_new = cute.arch.fmax(m_run[rh], t_max)
+            m_new = cute.arch.fmax(m_run[rh], cute.arch.fmax(t_max * c, Float32(NEG_BIG)))
             alpha[rh] = cute.arch.exp2(m_run[rh] - m_new)
             m_run[rh] = m_new
-            psum = Float32(0.0)
-            for i in cutlass.range_constexpr(N):
-                if const_expr((i // 2) % 2 == rh):
-                    p = cute.arch.exp2(acc_s[i] - m_new)
-                    acc_s[i] = p
-                    psum = psum + p
-            l_run[rh] = l_run[rh] * alpha[rh] + psum
+            sums = [Float32(0.0)] * 4
+            for k in cutlass.range_constexpr(len(idx)):
+                p = cute.arch.exp2(acc_s[idx[k]] * c - m_new)
+                acc_s[idx[k]] = p
+                sums[k % 4] = sums[k % 4] + p
+            l_run[rh] = l_run[rh] * alpha[rh] + ((sums[0] + sums[1]) + (sums[2] + sums[3]))
 
     @cute.jit
     def _produce(self, tidx: Int32, b: Int32, h: Int32, lo: Int32, hi: Int32, n_tiles: Int32,
