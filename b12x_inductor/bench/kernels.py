@@ -15,7 +15,8 @@ Prints a progress line per row, then writes JSON and a PNG chart.
 Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8 (default all),
 --peers sdpa,flex,flashinfer (default all importable), --families triton,cute (each family's own plan
 side by side), --variants (tuning: other plan constants),
---warm-peers (JIT-build FlashInfer's modules and exit).
+--head-dim (D of every row, default 128), --extend-rows (other extend rows, 'BxL[:S],...': S new tokens
+on L keys, a chunked prefill when S < L), --warm-peers (JIT-build FlashInfer's modules and exit).
 """
 
 from __future__ import annotations
@@ -266,8 +267,12 @@ def sdpa_call(s, mode):
         from torch.nn.attention.bias import causal_lower_right
 
         kwargs["attn_mask"] = causal_lower_right(q_len, length)
-    elif mode == "extend":
+    elif mode == "extend" and q_len == length:
         kwargs["is_causal"] = True
+    elif mode == "extend":
+        from torch.nn.attention.bias import causal_lower_right
+
+        kwargs["attn_mask"] = causal_lower_right(q_len, length)
 
     def call():
         res["o"] = F.scaled_dot_product_attention(q, k, v, **kwargs)
@@ -365,13 +370,22 @@ def row_metrics(mode, batch, length, q_len, kv_dtype, us):
     kv_bytes = batch * length * HKV * D * 2 * (1 if kv_dtype == torch.float8_e4m3fn else 2)
     q_bytes = 2 * batch * q_len * HQ * D * 2  # q read + out written
     if mode == "extend":
-        flops = 4 * batch * HQ * D * q_len * length / 2  # causal: half the square
+        flops = 4 * batch * HQ * D * (q_len * length - q_len * q_len / 2)  # causal: the new tokens' triangle
         return dict(tflops=flops / (us * 1e-6) / 1e12)
     return dict(tbps=(kv_bytes + q_bytes) / (us * 1e-6) / 1e12)
 
 
-def run_row(mode, batch, length, q_len, kv_dtype, peers, variants, bw, families=()):
+def row_label(mode, batch, length, q_len, kv_dtype):
+    """'decode 8x8192', 'decode-fp8 8x8192', 'extend 1x8192:1024' (new tokens when fewer than the keys),
+    with ' D64' when the head dim is not 128."""
     label = f"{mode}{'-fp8' if kv_dtype == torch.float8_e4m3fn else ''} {batch}x{length}"
+    if mode == "extend" and q_len != length:
+        label += f":{q_len}"
+    return label + (f" D{D}" if D != 128 else "")
+
+
+def run_row(mode, batch, length, q_len, kv_dtype, peers, variants, bw, families=()):
+    label = row_label(mode, batch, length, q_len, kv_dtype)
     set_bytes = batch * length * HKV * D * 2 * kv_dtype.itemsize
     n_sets = max(2, math.ceil(2 * L2_BYTES / set_bytes))
     sets = [make_set(mode, batch, length, q_len, kv_dtype, seed=17 * i + batch) for i in range(n_sets)]
@@ -468,8 +482,19 @@ def main(argv) -> None:
     ap.add_argument("--flex-rows", default="", help="only these rows get FlexAttention (its compile is slow), "
                     "e.g. 'decode 8x8192,extend 1x16384'; default all")
     ap.add_argument("--warm-peers", action="store_true", help="JIT-build FlashInfer's modules first, then exit")
+    ap.add_argument("--head-dim", type=int, default=D, help="D of every row (default 128)")
+    ap.add_argument("--extend-rows", default="", help="extend rows 'BxL[:S],...' instead of the default "
+                    "(S new tokens on L keys; default S = L)")
     ap.add_argument("--sizes", default="", help="dry run: B x L overrides, e.g. 2x64 (all rows that size)")
     args = ap.parse_args(argv)
+    globals()["D"] = args.head_dim
+    extend_rows = [(b, n, n) for b, n in EXTEND_ROWS]
+    if args.extend_rows:
+        extend_rows = []
+        for x in args.extend_rows.split(","):
+            size, _, new = x.partition(":")
+            b, n = (int(y) for y in size.split("x"))
+            extend_rows.append((b, n, int(new) if new else n))
     if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("b12x_inductor.bench kernels: needs a CUDA GPU")
     peers = set(p for p in args.peers.split(",") if p)
@@ -509,7 +534,7 @@ def main(argv) -> None:
     if "verify" in rows:
         todo += [("verify", b, n, 4, bf16) for b, n in VERIFY_ROWS]
     if "extend" in rows:
-        todo += [("extend", b, n, n, bf16) for b, n in EXTEND_ROWS]
+        todo += [("extend", b, n, q, bf16) for b, n, q in extend_rows]
     if "fp8" in rows:
         todo += [("decode", b, n, 1, fp8) for b, n in DECODE_ROWS]
     if args.sizes:
@@ -519,7 +544,7 @@ def main(argv) -> None:
     flex_rows = set(r.strip() for r in args.flex_rows.split(",") if r.strip())
     for mode, b, n, s, dt in todo:
         row_peers = peers
-        label = f"{mode}{'-fp8' if dt == fp8 else ''} {b}x{n}"
+        label = row_label(mode, b, n, s, dt)
         if flex_rows and label not in flex_rows:
             row_peers = peers - {"flex"}
         results.append(run_row(mode, b, n, s, dt, row_peers, sweep, bw, families))
