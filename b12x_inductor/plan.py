@@ -218,10 +218,15 @@ def _cute_plan(problem: Problem) -> Plan:
 
 def _cute_measured_faster(problem: Problem) -> bool:
     """Where the CuTe family measured faster than Triton on the H200 (benchmarks/results/h200.md, "CuTe
-    DSL"): decode from a float8 cache with D = 128 and at most 4 query heads per KV head (1.09-1.15x on all
-    six benchmark rows; 1.11-1.20x with the 128-key tensor-core tiles on the four largest). bf16 decode
-    (0.84-0.89x) and verify (0.3-0.4x) stay on Triton, whose products run on tensor cores; so does extend,
-    where the wgmma kernel measured 0.97x and 1.05x on the two benchmark rows (not a margin to route every
-    prefill by); configurations not measured (other head dims, larger groups) stay on Triton too."""
+    DSL"):
+    - decode from a float8 cache with D = 128 and at most 4 query heads per KV head (1.09-1.15x on all six
+      benchmark rows; 1.11-1.20x with the 128-key tensor-core tiles on the four largest);
+    - extend, wherever the family expresses it (D 64 or 128, the cache in q's dtype: `supports`):
+      1.12-1.38x on all ten rows measured (D 128 and 64; prefills of 1024-16384 tokens, chunked prefills of
+      512-1024 new tokens on 8192 keys; causal, page 16, 4 query heads per KV head).
+    bf16 decode (0.84-0.89x) and verify (0.3-0.4x) stay on Triton, whose products run on tensor cores; decode
+    configurations not measured (other head dims, larger groups) stay on Triton too."""
+    if problem.mode == "extend":
+        return True
     return (problem.mode == "decode" and problem.kv_dtype == torch.float8_e4m3fn and problem.head_dim == 128
             and problem.group <= 4)

@@ -79,8 +79,10 @@ def test_select_plan_picks_cute_only_where_installed_and_faster(monkeypatch):
     from b12x_inductor import plan as plan_mod
     from b12x_inductor.kernels import cute
 
-    faster = [p for p in (_problem(), _problem(kv_dtype=F8), _problem(q_len=4), _problem(batch=1, max_pages=2048))
-              if plan_mod._cute_measured_faster(p)]
+    extend = [_problem(q_len=300), _problem(q_len=300, packed=True, head_dim=64)]
+    faster = [p for p in (_problem(), _problem(kv_dtype=F8), _problem(q_len=4), _problem(batch=1, max_pages=2048),
+                          *extend) if plan_mod._cute_measured_faster(p)]
+    assert all(p in faster for p in extend)  # extend is routed wherever the family expresses it
     monkeypatch.setattr(cute, "available", lambda: False)
     for p in faster:
         assert plan_mod.select_plan(p).family == "triton"

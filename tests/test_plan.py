@@ -63,6 +63,9 @@ def table_cute() -> str:
         _row("bf16 decode 32x4096", batch=32, q_len=1, max_pages=256, **H200),
         _row("bf16 extend 1x16384", batch=1, q_len=16384, max_pages=1024, **H200),
         _row("bf16 packed T=16384", batch=1, q_len=16384, packed=True, max_pages=1024, **H200),
+        _row("bf16 extend D=64 8192:1024", batch=1, q_len=1024, max_pages=512, head_dim=64, **H200),
+        _row("bf16 extend D=256", batch=2, q_len=512, max_pages=64, head_dim=256, **H200),
+        _row("fp8 extend 1x16384", batch=1, q_len=16384, max_pages=1024, kv_dtype=f8, **H200),
     ]
     return "\n".join(rows)
 
@@ -107,8 +110,11 @@ fp8 decode G=8               decode  triton splits=16  m=16  n=128 warps=4 stage
 fp8 decode sm80              decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
 fp8 verify 8x8192 S=4        verify  triton splits=16  m=16  n=128 warps=4 stages=2 scratch=8454144
 bf16 decode 32x4096          decode  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=2113536
-bf16 extend 1x16384          extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
-bf16 packed T=16384          extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0""")
+bf16 extend 1x16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
+bf16 packed T=16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
+bf16 extend D=64 8192:1024   extend  cute   splits=1   m=128 n=128 warps=12 stages=4 scratch=0
+bf16 extend D=256            extend  triton splits=1   m=64  n=32  warps=4 stages=2 scratch=0
+fp8 extend 1x16384           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0""")
 
     def test_modes_from_static_shapes(self):
         def mode(q_len, packed=False):
