@@ -203,8 +203,9 @@ _CUTE_MMA_MIN_SPLIT_KEYS = 1024
 def _cute_plan(problem: Problem) -> Plan:
     if problem.mode == "extend":
         # kernels/cute/extend.py: 128 query rows (two consumer warpgroups) and a producer warpgroup; 128-key
-        # tiles (64-key tiles measured 2-4 % slower), as many stages as shared memory holds (Q 32 KB + 64 KB
-        # per stage at D = 128: 3 stages; kernels/cute/__init__.py: extend_geometry).
+        # tiles, as many stages as shared memory holds (Q 32 KB + 64 KB per stage at D = 128: 3 stages;
+        # kernels/cute/__init__.py: extend_geometry). 2 stages, or 64-key tiles with 4, measured 10-13 %
+        # slower (h200.md, "CuTe DSL extend", run 11).
         return Plan(mode="extend", family="cute", num_splits=1, block_m=128, block_n=128, num_warps=12,
                     num_stages=3 if problem.head_dim > 64 else 4, scratch_bytes=0)
     num_splits = _split_count(problem, problem.batch * problem.num_kv_heads)
