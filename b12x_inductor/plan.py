@@ -129,7 +129,8 @@ def select_plan(problem: Problem) -> Plan:
     - decode / verify: the S x (Hq / Hkv) query rows of one KV head share one tile (block_m rows) and one
       read of each KV tile; the KV range is split into num_splits partitions so that B x Hkv x splits
       programs fill the GPU, each partition sized on the device from the live length, then merged.
-    - extend: FlashAttention-2-style causal tiles, no split.
+    - extend: 128 query rows per program, no split: a warp-specialized wgmma kernel (CuTe family) where it
+      applies, FlashAttention-2-style tiles (Triton) elsewhere.
     """
     return family_plan(problem, _family(problem))
 
