@@ -263,13 +263,9 @@ def sdpa_call(s, mode):
     res = {}
     q_len, length = q.shape[2], k.shape[2]
     kwargs = dict(enable_gqa=True)
-    if mode == "verify":
-        from torch.nn.attention.bias import causal_lower_right
-
-        kwargs["attn_mask"] = causal_lower_right(q_len, length)
-    elif mode == "extend" and q_len == length:
+    if mode == "extend" and q_len == length:
         kwargs["is_causal"] = True
-    elif mode == "extend":
+    elif mode != "decode":  # verify, chunked prefill: the new tokens are the last q_len positions
         from torch.nn.attention.bias import causal_lower_right
 
         kwargs["attn_mask"] = causal_lower_right(q_len, length)
