@@ -16,7 +16,10 @@ Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8
 --peers sdpa,flex,flashinfer (default all importable), --families triton,cute (each family's own plan
 side by side), --variants (tuning: other plan constants),
 --head-dim (D of every row, default 128), --extend-rows (other extend rows, 'BxL[:S],...': S new tokens
-on L keys, a chunked prefill when S < L), --warm-peers (JIT-build FlashInfer's modules and exit).
+on L keys, a chunked prefill when S < L), --profile (no timing: after its reference check each
+implementation runs once more inside an NVTX range named after it, for
+`ncu --nvtx --nvtx-include "b12x-cute/" python -m b12x_inductor.bench ... --profile`),
+--warm-peers (JIT-build FlashInfer's modules and exit).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 L2_BYTES = 60 * 2**20
+PROFILE = False  # --profile: one call per implementation in an NVTX range instead of timing
 DEVICE = os.environ.get("B12X_BENCH_DEVICE", "cuda")  # "cpu": a dry run of the harness (wall-clock timing)
 DECODE_ROWS = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 1024), (16, 16384)]
 VERIFY_ROWS = [(8, 8192), (32, 4096), (64, 2048)]
@@ -412,6 +416,13 @@ def run_row(mode, batch, length, q_len, kv_dtype, peers, variants, bw, families=
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
             entry["max_err"] = reference_check(refs, outs[0](), f"{label} {name}")
+            if PROFILE and DEVICE == "cuda":
+                with torch.cuda.nvtx.range(name):
+                    calls[0]()
+                torch.cuda.synchronize()
+            if PROFILE:
+                result["impls"][name] = entry
+                continue
             us, method = time_graph(calls)
             entry.update(us=us, method=method, **row_metrics(mode, batch, length, q_len, kv_dtype, us))
             if "tbps" in entry:
@@ -429,8 +440,10 @@ def run_row(mode, batch, length, q_len, kv_dtype, peers, variants, bw, families=
         if "us" in e:
             m = f"{e['tflops']:.0f} TFLOP/s" if "tflops" in e else f"{e['tbps']:.2f} TB/s {e['pct_copy_bw']:.0f}%"
             parts.append(f"{n} {e['us']:.1f}us {m}")
-        else:
+        elif "error" in e:
             parts.append(f"{n} ERROR {e.get('error', '')[:120]}")
+        else:
+            parts.append(f"{n} checked (max err {e['max_err']:.2g})" + (", profiled" if DEVICE == "cuda" else ""))
     ratio = f" | vs best peer x{result['speedup_vs_best_peer']:.2f}" if "speedup_vs_best_peer" in result else ""
     log(f"[{label}] " + "; ".join(parts) + ratio)
     del sets
@@ -481,9 +494,12 @@ def main(argv) -> None:
     ap.add_argument("--head-dim", type=int, default=D, help="D of every row (default 128)")
     ap.add_argument("--extend-rows", default="", help="extend rows 'BxL[:S],...' instead of the default "
                     "(S new tokens on L keys; default S = L)")
+    ap.add_argument("--profile", action="store_true", help="no timing: each implementation runs once more "
+                    "inside an NVTX range named after it (for ncu --nvtx --nvtx-include 'b12x-cute/')")
     ap.add_argument("--sizes", default="", help="dry run: B x L overrides, e.g. 2x64 (all rows that size)")
     args = ap.parse_args(argv)
     globals()["D"] = args.head_dim
+    globals()["PROFILE"] = args.profile
     extend_rows = [(b, n, n) for b, n in EXTEND_ROWS]
     if args.extend_rows:
         extend_rows = []
