@@ -10,7 +10,7 @@ One CTA of three warpgroups takes BM = 128 consecutive new tokens of one request
   when the copies do and the producer never waits on its own loads, only on a stage's `empty` mbarrier
   before reusing it. Rows past the visible range copy the last visible key (finite values the consumers
   mask to P = 0), so nothing stale or uninitialized is ever multiplied. The address arithmetic is kept to
-  about ten instructions per copy (unsigned key and page math, byte strides, 8 rows in flight): with 35 per
+  about 14 instructions per copy (unsigned key and page math, byte strides, 8 rows in flight): with 35 per
   copy the producer was the bottleneck (the consumers spun on K-full; h200.md, "CuTe DSL extend").
 - warpgroups 1 and 2, the consumers (224 registers), own 64 query rows each. Per tile j: wait for the P V
   of tile j - 2, rescale O to tile j - 1's max and convert its P to 16 bits, release tile j - 2's stage;
@@ -466,7 +466,7 @@ class ExtendKernel:
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
                                    num_bits_per_copy=128)
         pt_row = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
-        # byte addresses, kept cheap (the producer issues one cp.async per ~10 instructions): page ids and key
+        # byte addresses, kept cheap (about 14 instructions per cp.async): page ids and key
         # indices are non-negative, so they divide and widen as unsigned; the page offset stays 64-bit
         ch = tidx % CH
         k_base = k_ptr.toint() + Int64(h) * k_sh * 2 + ch * 16
