@@ -30,9 +30,11 @@ F8 = torch.float8_e4m3fn
 
 def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="NHD", dtype=torch.bfloat16,
                 kv_dtype=None, packed=False, lens=None, q_lens=None, kv_start=False, sinks=False, descale=None,
-                seed=0, device="cpu", spare_pages=1):
+                seed=0, device="cpu", spare_pages=1, nan_unused=False):
     """Tensors of one call: caches are views of a combined [num_pages, 2, ...] cache (odd strides), pages in
-    random order, fresh random values. Packed q has 3 padding rows past the live tokens."""
+    random order, fresh random values. Packed q has 3 padding rows past the live tokens. `nan_unused`: every
+    cache slot that holds no key of [kv_start, length) of a request is NaN (unwritten or evicted memory:
+    a kernel must never let it reach out)."""
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
     lens = lens or [q_len + 9 + 7 * b for b in range(batch)]
@@ -40,8 +42,16 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
     num_pages = batch * max_pages + 3
     inner = (page_size, hkv, d) if kv_layout == "NHD" else (hkv, page_size, d)
     kv = torch.randn((num_pages, 2, *inner), generator=gen) * (2.0 if kv_dtype == F8 else 1.0)
-    kv = kv.to(kv_dtype).to(device)
     page_table = torch.randperm(num_pages, generator=gen)[: batch * max_pages].reshape(batch, max_pages)
+    starts = [1 + 2 * b if kv_start else 0 for b in range(batch)]
+    if nan_unused:
+        live = torch.zeros(num_pages, page_size, dtype=torch.bool)
+        for b, n in enumerate(lens):
+            j = torch.arange(starts[b], n)
+            live[page_table[b, j // page_size], j % page_size] = True
+        live = live[:, None, :, None, None] if kv_layout == "NHD" else live[:, None, None, :, None]
+        kv = kv.masked_fill(~live, float("nan"))
+    kv = kv.to(kv_dtype).to(device)
     t = dict(k_cache=kv[:, 0], v_cache=kv[:, 1], page_table=page_table.int().to(device),
              cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device), cu_seqlens_q=None,
              kv_start=None, sinks=None, k_descale=None, v_descale=None)
@@ -55,7 +65,7 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
     else:
         t["q"] = torch.randn(batch, q_len, hq, d, generator=gen).to(dtype).to(device)
     if kv_start:
-        t["kv_start"] = torch.tensor([1 + 2 * b for b in range(batch)], dtype=torch.int32, device=device)
+        t["kv_start"] = torch.tensor(starts, dtype=torch.int32, device=device)
     if sinks:
         t["sinks"] = torch.randn(hq, generator=gen).to(device)
     if descale is not None:
