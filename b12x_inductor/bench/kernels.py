@@ -15,7 +15,7 @@ Prints a progress line per row, then writes JSON and a PNG chart.
 Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8 (default all),
 --peers sdpa,flex,flashinfer (default all importable), --families triton,cute (each family's own plan
 side by side), --variants (tuning: other plan constants),
---head-dim (D of every row, default 128), --extend-rows (other extend rows, 'BxL[:S],...': S new tokens
+--head-dim (D of every row, default 128), --page-size (keys per page, default 16), --extend-rows (other extend rows, 'BxL[:S],...': S new tokens
 on L keys, a chunked prefill when S < L), --profile (no timing: after its reference check each
 implementation runs once more inside an NVTX range named after it, for
 `ncu --nvtx --nvtx-include "b12x-cute/" python -m b12x_inductor.bench ... --profile`),
@@ -492,6 +492,8 @@ def main(argv) -> None:
                     "e.g. 'decode 8x8192,extend 1x16384'; default all")
     ap.add_argument("--warm-peers", action="store_true", help="JIT-build FlashInfer's modules first, then exit")
     ap.add_argument("--head-dim", type=int, default=D, help="D of every row (default 128)")
+    ap.add_argument("--page-size", type=int, default=PAGE, help="keys per page of every row (default 16; L must "
+                    "be a multiple)")
     ap.add_argument("--extend-rows", default="", help="extend rows 'BxL[:S],...' instead of the default "
                     "(S new tokens on L keys; default S = L)")
     ap.add_argument("--profile", action="store_true", help="no timing: each implementation runs once more "
@@ -499,6 +501,7 @@ def main(argv) -> None:
     ap.add_argument("--sizes", default="", help="dry run: B x L overrides, e.g. 2x64 (all rows that size)")
     args = ap.parse_args(argv)
     globals()["D"] = args.head_dim
+    globals()["PAGE"] = args.page_size
     globals()["PROFILE"] = args.profile
     extend_rows = [(b, n, n) for b, n in EXTEND_ROWS]
     if args.extend_rows:
