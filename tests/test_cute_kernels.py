@@ -75,6 +75,15 @@ def test_cute_extend_plans_fit_shared_memory():
     assert extend_geometry(d=256, tile_n=64, stages=2) is None  # D = 256 is not expressed
 
 
+def test_cute_extend_tma_box_follows_the_page_geometry():
+    from b12x_inductor.kernels.cute import tma_box
+
+    # (page, tile_n) -> keys per TMA box; 0: every tile by cp.async
+    table = {(16, 128): 16, (64, 128): 64, (128, 128): 128, (256, 128): 128, (256, 64): 64, (8, 64): 8,
+             (1, 128): 0, (5, 128): 0, (48, 128): 0, (24, 64): 0, (192, 128): 0, (4, 64): 0}
+    assert {k: tma_box(page=k[0], tile_n=k[1]) for k in table} == table
+
+
 def test_select_plan_picks_cute_only_where_installed_and_faster(monkeypatch):
     from b12x_inductor import plan as plan_mod
     from b12x_inductor.kernels import cute
@@ -136,15 +145,23 @@ GPU_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES 
 ]
 
 
-# extend: the Triton family's extend cases the CuTe family expresses, and three more (a prefix of cached keys
-# with G = 8 and several row tiles, packed fp16 non-causal with page size 1 and G = 1, every feature at D=128)
+# extend: the Triton family's extend cases the CuTe family expresses, and five more (a prefix of cached keys
+# with G = 8 and several row tiles, pages of 64 and 256 keys, packed fp16 non-causal with page size 1 and G = 1,
+# every feature at D=128)
 EXTEND_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES if _cute_extend_case(c[1])] + [
-    ("extend_prefix_g8", dict(batch=2, q_len=300, hq=32, hkv=4, d=128, page_size=16, lens=[300, 1000]), {}),
+    ("extend_prefix_g8", dict(batch=2, q_len=300, hq=32, hkv=4, d=128, page_size=16, lens=[300, 1000],
+                              nan_unused=True), {}),
+    # TMA boxes of a whole page (64 keys) and of half or a quarter of one (256 keys); slots past each length
+    # and before kv_start are NaN: only the cp.async tiles may reach them, and those copy visible keys
+    ("extend_page64_window", dict(batch=3, hq=8, hkv=2, d=128, page_size=64, packed=True, lens=[700, 300, 1000],
+                                  q_lens=[300, 300, 200], kv_start=True, nan_unused=True), dict(window_left=333)),
+    ("extend_page256_d64", dict(batch=2, q_len=260, hq=8, hkv=4, d=64, page_size=256, lens=[600, 1300],
+                                nan_unused=True), {}),
     ("extend_packed_fp16_noncausal_p1", dict(batch=3, hq=4, hkv=4, d=64, page_size=1, packed=True,
                                              lens=[129, 500, 200], q_lens=[129, 1, 200], dtype=torch.float16),
      dict(causal=False)),
     ("extend_packed_features", dict(batch=2, hq=16, hkv=2, d=128, page_size=16, packed=True, lens=[700, 260],
-                                    q_lens=[390, 200], kv_start=True, sinks=True),
+                                    q_lens=[390, 200], kv_start=True, sinks=True, nan_unused=True),
      dict(window_left=150, softcap=30.0, scale=0.07)),
 ]
 EXTEND_VARIANTS = {"plan": {}, "stages2": dict(num_stages=2), "n64_stages4": dict(block_n=64, num_stages=4)}

@@ -130,6 +130,16 @@ def extend_geometry(*, d: int, tile_n: int, stages: int) -> dict | None:
                 smem_bytes=smem_bytes)
 
 
+def tma_box(*, page: int, tile_n: int) -> int:
+    """Keys per TMA box of the extend kernel (extend.py), or 0 where the page geometry allows none (every
+    tile then gathers with cp.async): a box is min(page, tile_n) keys of one page, a whole number of 8-row
+    swizzle atoms, and a tile is a whole number of boxes (or a page a whole number of tiles)."""
+    box = min(page, tile_n)
+    if box % 8 or max(page, tile_n) % box:
+        return 0
+    return box
+
+
 def _cutlass_dtype(dtype):
     import cutlass
 
@@ -206,7 +216,7 @@ def _compiled_extend(key):
         return make_ptr(dt, 1 << 20, gmem, assumed_align=align)
 
     args = [ptr(qt, 16), ptr(qt, 16), ptr(qt, 16), *[ptr(Int32)] * 4, *[ptr(Float32)] * 3, ptr(qt, 2),
-            ptr(Float32), *[Int64(1)] * 10, *[Int32(0)] * 8, Int32(-1), Float32(1.0), Float32(1.0),
+            ptr(Float32), *[Int64(8)] * 10, *[Int32(0)] * 8, Int32(-1), Float32(1.0), Float32(1.0), Int32(1), Int32(1),
             make_fake_stream()]
     return cute.compile(kernel, *args)
 
@@ -252,7 +262,8 @@ def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
             *[Int64(x) for x in (*q_strides, kp, ko, kh, vp, vo, vh, pt.stride(0))],
             Int32(kds_b), Int32(kds_h), Int32(vds_b), Int32(vds_h), Int32(kv_start is not None),
             Int32(sinks is not None), Int32(has_kds), Int32(has_vds), Int32(max(window, 0)),
-            Float32(float(options["scale"])), Float32(softcap if softcap > 0 else 1.0), stream,
+            Float32(float(options["scale"])), Float32(softcap if softcap > 0 else 1.0), Int32(k_cache.shape[0]),
+            Int32(v_cache.shape[0]), stream,
         )
 
 

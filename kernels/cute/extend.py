@@ -3,15 +3,22 @@
 One CTA of three warpgroups takes BM = 128 consecutive new tokens of one request and one query head, grid
 (Hq, tiles) as the Triton extend kernel (same tile map, same three key ranges, same masks):
 
-- warpgroup 0, the producer (56 registers after setmaxnreg), gathers each BN-key tile through the page
-  table with cp.async (16-byte chunks; key j lives at page page_table[b, j // PAGE], slot j % PAGE, the page
-  id widened to 64 bits) into a STAGES-deep ring of shared-memory buffers: first the K rows, then the V rows,
-  each followed by cp.async.mbarrier.arrive on the stage's K-full or V-full mbarrier, so the arrival lands
-  when the copies do and the producer never waits on its own loads, only on a stage's `empty` mbarrier
-  before reusing it. Rows past the visible range copy the last visible key (finite values the consumers
-  mask to P = 0), so nothing stale or uninitialized is ever multiplied. The address arithmetic is kept to
-  about 14 instructions per copy (unsigned key and page math, byte strides, 8 rows in flight): with 35 per
-  copy the producer was the bottleneck (the consumers spun on K-full; h200.md, "CuTe DSL extend").
+- warpgroup 0, the producer (56 registers after setmaxnreg), loads each BN-key tile into a STAGES-deep ring of
+  shared-memory buffers, first K, then V, and never waits on its own loads, only on a stage's `empty`
+  mbarrier before reusing it: each copy completes the stage's K-full or V-full mbarrier when it lands.
+  - By TMA where the page geometry allows (`tma_box` in __init__.py: pages of a multiple of 8 keys that
+    divide the tile or that the tile divides): one tensor map per cache over (slot, d, KV head, page), one
+    box per page (or tile-sized part of a page) and 64 head-dim elements, written in the 128-byte swizzle
+    the wgmma reads; mbarrier expect-tx counts the bytes. A tile goes by TMA when it starts on a box and all
+    its keys are the request's (below its length, so finite even past the causal or window limit): tiles
+    start on a box boundary wherever the keys that rounding down adds are at or past kv_start.
+  - By cp.async otherwise (the last, partial tile; page sizes without a box; windows with kv_start): 16-byte
+    chunks, key j at page page_table[b, j // PAGE], slot j % PAGE (page id widened to 64 bits), each
+    thread's arrival landing with its copies (cp.async.mbarrier.arrive). Rows past the visible range copy the
+    last visible key (finite values the consumers mask to P = 0), so nothing stale, uninitialized or NaN is
+    ever multiplied. About 14 instructions per copy (unsigned key and page math, byte strides, 8 in flight).
+  With cp.async for every tile the producer's instructions (about 450 per tile and warp) took issue slots
+  from the consumers on each SM sub-partition: TMA took 1x16384 from 461 to 551 TFLOP/s (h200.md).
 - warpgroups 1 and 2, the consumers (224 registers), own 64 query rows each. Per tile j: wait for the P V
   of tile j - 2, rescale O to tile j - 1's max and convert its P to 16 bits, release tile j - 2's stage;
   wait for K of tile j and V of tile j - 1, fence the cp.async (generic-proxy) writes for the tensor cores
@@ -26,7 +33,8 @@ One CTA of three warpgroups takes BM = 128 consecutive new tokens of one request
 
 Shared-memory tiles use the 128-byte swizzle wgmma reads: a tile of rows x D (Q, K or V; row = token or key)
 is stored as D / 64 slabs of rows x 128 bytes, 16-byte chunk c of row r at chunk position c ^ (r % 8). The
-cp.async writes compute that address directly; the MMAs read the same bytes through CuTe's layouts
+cp.async writes compute that address directly, TMA writes it through the tensor map's 128-byte swizzle (each
+box starts on a 1024-byte boundary); the MMAs read the same bytes through CuTe's layouts
 (`sm90_utils.make_smem_layout_a/b`, whose swizzle acts on byte addresses).
 
 The accumulator fragment of an m64nN wgmma holds, per thread, elements ((2, 2, N / 8)): two adjacent columns,
@@ -36,9 +44,9 @@ the A register fragment of the P V product's k-step, so P never leaves registers
 Packed q: the grid is fixed by the capacity (cdiv(T, BM) + B tiles); each CTA maps its tile to a request on
 the device from cu_seqlens_q, and the CTAs left over write zeros and lse = -inf into the padding rows.
 
-What limits it (benchmarks/results/h200.md, "CuTe DSL extend"; Nsight Compute): 405-461 TFLOP/s, the
-tensor pipe about half busy; each consumer warpgroup spends about half its time in the softmax, most of
-it issuing MUFU.EX2 (the SFU is shared with the other warpgroup's softmax on the same SM sub-partition).
+What limits it (benchmarks/results/h200.md, "CuTe DSL extend"): 493-551 TFLOP/s at page 16 with TMA. Before
+TMA (405-461), Nsight Compute had each consumer warpgroup spending about half its time in the softmax, most
+of it issuing MUFU.EX2 (the SFU is shared with the other warpgroup's softmax on the same SM sub-partition).
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from b12x_inductor.kernels.cute import EXTEND_BLOCK_M as BLOCK_M
-from b12x_inductor.kernels.cute import extend_geometry
+from b12x_inductor.kernels.cute import extend_geometry, tma_box
 from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG, live_range, logit, scales, visible
 
 LN2 = 0.6931471805599453
@@ -74,6 +82,7 @@ class ExtendKernel:
         assert geo is not None, "the plan's tile does not fit this kernel (kernels/cute/__init__.py: extend_geometry)"
         self.__dict__.update(geo)
         self.tiles = (-(-s // BLOCK_M) + batch) if packed else batch * -(-s // BLOCK_M)
+        self.box = tma_box(page=page, tile_n=tile_n)
 
     @cute.jit
     def __call__(
@@ -84,14 +93,34 @@ class ExtendKernel:
         v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
         kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
         has_kv_start: Int32, has_sinks: Int32, has_kds: Int32, has_vds: Int32,
-        window_left: Int32, sm_scale: Float32, softcap: Float32, stream,
+        window_left: Int32, sm_scale: Float32, softcap: Float32, k_pages: Int32, v_pages: Int32, stream,
     ):
+        tma_k, m_k = self._tma_atom(k_ptr, k_pages, k_sp, k_so, k_sh)
+        tma_v, m_v = self._tma_atom(v_ptr, v_pages, v_sp, v_so, v_sh)
         self.kernel(
             q_ptr, k_ptr, v_ptr, pt_ptr, seqlens_ptr, cu_ptr, kv_start_ptr, sinks_ptr, kds_ptr, vds_ptr, out_ptr,
             lse_ptr, q_sb, q_ss, q_sh, k_sp, k_so, k_sh, v_sp, v_so, v_sh, pt_sb, kds_b, kds_h, vds_b, vds_h,
-            has_kv_start, has_sinks, has_kds, has_vds, window_left, sm_scale, softcap,
+            has_kv_start, has_sinks, has_kds, has_vds, window_left, sm_scale, softcap, tma_k, m_k, tma_v, m_v,
         ).launch(grid=(self.hq, self.tiles, 1), block=(THREADS, 1, 1), smem=self.smem_bytes, stream=stream,
                  min_blocks_per_mp=1)
+
+    @cute.jit
+    def _tma_atom(self, ptr: cute.Pointer, pages: Int32, sp: Int64, so: Int64, sh: Int64):
+        """The TMA atom for one cache (K or V) and its coordinate tensor (slot, d, KV head, page): one copy
+        moves a box of BOX keys of one page x 64 of the head dim (128 bytes a row) into shared memory with the
+        128-byte swizzle the wgmma reads. (None, None) where the page geometry has no box (see __init__)."""
+        if const_expr(self.box == 0):
+            return None, None
+        strides = tuple(cute.assume(x, divby=8) for x in (so, sh, sp))  # 16-byte strides (checked on the host)
+        cache = cute.make_tensor(ptr, cute.make_layout((self.page, self.d, self.hq // self.g, pages),
+                                                       stride=(strides[0], 1, strides[1], strides[2])))
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), cache, self._box_layout(),
+                                           (self.box, 64))
+
+    def _box_layout(self):
+        """Shared-memory layout of one TMA box: BOX rows x 64 elements, 128-byte swizzle (the K/V tile bytes)."""
+        return cute.slice_(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, self.box, 64), self.dtype,
+                                                         1), (None, None, 0))
 
     @cute.jit
     def _tile_map(self, cu_ptr: cute.Pointer, t: Int32):
@@ -139,7 +168,8 @@ class ExtendKernel:
         v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
         kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
         has_kv_start: Int32, has_sinks: Int32, has_kds: Int32, has_vds: Int32,
-        window_left: Int32, sm_scale: Float32, softcap: Float32,
+        window_left: Int32, sm_scale: Float32, softcap: Float32, tma_k: cute.CopyAtom, m_k: cute.Tensor,
+        tma_v: cute.CopyAtom, m_v: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         hq, t, _ = cute.arch.block_idx()
@@ -208,6 +238,12 @@ class ExtendKernel:
             if const_expr(self.use_window):
                 lo = cutlass.max(lo, c_min - window_left)
                 full_lo = cutlass.max(full_lo, c_max - window_left)
+            if const_expr(self.box != 0):
+                # tiles start on a box boundary (a whole number of TMA boxes) where the keys below lo are
+                # still visible keys of the request (finite; the masks drop them)
+                lo_box = lo - lo % self.box
+                if lo_box >= start:
+                    lo = lo_box
             hi = length
             full_hi = length
             if const_expr(self.causal):
@@ -217,8 +253,8 @@ class ExtendKernel:
 
             if wg == 0:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-                self._produce(tidx, b, h, lo, hi, n_tiles, k_ptr, v_ptr, pt_ptr, k_sp, k_so, k_sh, v_sp, v_so,
-                              v_sh, pt_sb, wK, wV, mbar)
+                self._produce(tidx, b, h, lo, hi, length, n_tiles, k_ptr, v_ptr, pt_ptr, k_sp, k_so, k_sh, v_sp,
+                              v_so, v_sh, pt_sb, wK, wV, mbar, base + q_elems, tma_k, m_k, tma_v, m_v)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
                 ctid = tidx - 128
@@ -452,13 +488,91 @@ class ExtendKernel:
             l_run[rh] = l_run[rh] * alpha[rh] + ((sums[0] + sums[1]) + (sums[2] + sums[3]))
 
     @cute.jit
-    def _produce(self, tidx: Int32, b: Int32, h: Int32, lo: Int32, hi: Int32, n_tiles: Int32,
+    def _produce(self, tidx: Int32, b: Int32, h: Int32, lo: Int32, hi: Int32, length: Int32, n_tiles: Int32,
                  k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer, k_sp: Int64, k_so: Int64,
                  k_sh: Int64, v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64, wK: cute.Tensor,
-                 wV: cute.Tensor, mbar: cute.Pointer):
-        """The producer warpgroup: each tile's K rows, then its V rows, into the ring by cp.async; the stage's
-        K-full and V-full mbarriers get this thread's arrival when its copies land (cp.async.mbarrier.arrive),
-        so the producer never waits for its own loads, only for a stage to be released."""
+                 wV: cute.Tensor, mbar: cute.Pointer, ring: cute.Pointer, tma_k, m_k, tma_v, m_v):
+        """The producer warpgroup: each tile's K rows, then its V rows, into the ring; the stage's K-full and
+        V-full mbarriers (128 arrivals each) complete when the copies land, so the producer never waits for
+        its own loads, only for a stage to be released.
+
+        A tile of keys the request has (all below its length, so finite even past the causal or window
+        limit) starting on a box boundary goes by TMA, where the page geometry allows (`tma_box`): BN / BOX
+        x D / 64 boxes, one per thread of the first warp, each thread arriving with its box's byte count
+        (mbarrier expect-tx) and the others with none. Any other tile goes by cp.async, 16-byte chunks with
+        the page looked up per key, each thread's arrival landing with its copies (cp.async.mbarrier.arrive)."""
+        BN = const_expr(self.tile_n)
+        NS = const_expr(self.stages)
+        BOX = const_expr(self.box)
+        SLABS = const_expr(max(self.d // 64, 1))
+        if const_expr(BOX != 0):
+            if tidx == 0:
+                cpasync.prefetch_descriptor(tma_k)
+                cpasync.prefetch_descriptor(tma_v)
+        for it in cutlass.range(n_tiles, unroll=1):
+            stage = it % NS
+            if it >= NS:
+                cute.arch.mbarrier_wait(mbar + 2 * NS + stage, (it // NS + 1) % 2)
+            j0 = lo + it * BN
+            if const_expr(BOX != 0):
+                if (j0 % BOX == 0) & (j0 + BN <= length):
+                    self._tma_tile(tidx, b, h, j0, stage, pt_ptr, pt_sb, mbar, ring, tma_k, m_k, tma_v, m_v)
+                else:
+                    self._cp_async_tile(tidx, b, h, j0, hi, stage, k_ptr, v_ptr, pt_ptr, k_sp, k_so, k_sh, v_sp,
+                                        v_so, v_sh, pt_sb, wK, wV, mbar)
+            else:
+                self._cp_async_tile(tidx, b, h, j0, hi, stage, k_ptr, v_ptr, pt_ptr, k_sp, k_so, k_sh, v_sp, v_so,
+                                    v_sh, pt_sb, wK, wV, mbar)
+
+    @cute.jit
+    def _tma_tile(self, tidx: Int32, b: Int32, h: Int32, j0: Int32, stage: Int32, pt_ptr: cute.Pointer,
+                  pt_sb: Int64, mbar: cute.Pointer, ring: cute.Pointer, tma_k, m_k, tma_v, m_v):
+        """One tile by TMA (keys j0 .. j0 + BN, all the request's): box row r (keys j0 + r x BOX ..., one page)
+        goes to warp r % 4, which issues its D / 64 head-dim slabs of K, then of V (a TMA copy is issued by
+        one elected lane, with warp-uniform coordinates: the page id is read by lane r // 4 and shuffled).
+        Thread 0 arrives with the tile's byte count (expect-tx), the 127 others plainly."""
+        BN = const_expr(self.tile_n)
+        BOX = const_expr(self.box)
+        NS = const_expr(self.stages)
+        SLABS = const_expr(max(self.d // 64, 1))
+        BOX_ROWS = const_expr(BN // BOX)
+        box_layout = self._box_layout()
+        warp = tidx // 32
+        lane = tidx % 32
+        row_in_page = Int32(Uint32(j0) % self.page) // BOX  # the same for every box (j0 is box-aligned)
+        page = Int32(0)
+        if (warp + 4 * lane < BOX_ROWS) & (lane < (BOX_ROWS + 3) // 4):
+            pt_row = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
+            page = pt_row[Uint32(j0 + (warp + 4 * lane) * BOX) // self.page]
+        for kv in cutlass.range_constexpr(2):
+            atom = tma_k if kv == 0 else tma_v
+            coords = m_k if kv == 0 else m_v
+            bar = mbar + kv * NS + stage
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, BN * self.d * 2)
+            else:
+                cute.arch.mbarrier_arrive(bar)
+            for i in cutlass.range_constexpr((BOX_ROWS + 3) // 4):
+                if warp + 4 * i < BOX_ROWS:
+                    rb = warp + 4 * i
+                    p = cute.arch.shuffle_sync(page, i)
+                    for sl in cutlass.range_constexpr(SLABS):
+                        # stage, slab sl, rows rb x BOX ... of the K or V ring (elements; see chunks_view)
+                        dst_ptr = ring + ((kv * NS + stage) * BN * self.d + sl * BN * 64 + rb * BOX * 64)
+                        dst = cute.make_tensor(cute.recast_ptr(dst_ptr, box_layout.inner, dtype=self.dtype),
+                                               box_layout.outer)
+                        src = cute.local_tile(coords, (BOX, 64, 1, 1), (row_in_page, sl, h, p))[None, None, 0, 0]
+                        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                                         cute.group_modes(src, 0, 2))
+                        cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+
+    @cute.jit
+    def _cp_async_tile(self, tidx: Int32, b: Int32, h: Int32, j0: Int32, hi: Int32, stage: Int32,
+                       k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer, k_sp: Int64, k_so: Int64,
+                       k_sh: Int64, v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64, wK: cute.Tensor,
+                       wV: cute.Tensor, mbar: cute.Pointer):
+        """One tile by cp.async: first the K rows, then the V rows, each followed by this thread's
+        cp.async.mbarrier.arrive on the stage's K-full or V-full mbarrier."""
         BN = const_expr(self.tile_n)
         CH = const_expr(self.chunks)
         NS = const_expr(self.stages)
@@ -474,23 +588,19 @@ class ExtendKernel:
         k_sp_b, k_so_b, v_sp_b, v_so_b = k_sp * 2, k_so * 2, v_sp * 2, v_so * 2
         last = Uint32(hi - 1)
         ROWS = const_expr(BN * CH // 128)  # rows of a tile this thread copies (one chunk each)
-        for it in cutlass.range(n_tiles, unroll=1):
-            stage = it % NS
-            if it >= NS:
-                cute.arch.mbarrier_wait(mbar + 2 * NS + stage, (it // NS + 1) % 2)
-            j0 = Uint32(lo + it * BN + tidx // CH)
-            for kv in cutlass.range_constexpr(2):  # K first, so the scores can start before V lands
-                w = wK if kv == 0 else wV
-                gbase = k_base if kv == 0 else v_base
-                sp = k_sp_b if kv == 0 else v_sp_b
-                so = k_so_b if kv == 0 else v_so_b
-                for i in cutlass.range(ROWS, unroll=8):
-                    row = tidx // CH + i * (128 // CH)
-                    # rows past the range copy the last visible key (finite; the consumers mask it to P = 0)
-                    j = cutlass.min(j0 + Uint32(i * (128 // CH)), last)
-                    page = Int64(Uint32(pt_row[j // self.page]))
-                    src = cute.make_tensor(cute.make_ptr(dt, gbase + page * sp + Int64(j % self.page) * so,
-                                                         cute.AddressSpace.gmem, assumed_align=16),
-                                           cute.make_layout((8,)))
-                    cute.copy(atom, src, self._chunk(w[stage, None, None, None, None, None], row, ch))
-                cute.arch.cp_async_mbarrier_arrive_noinc(mbar + kv * NS + stage)
+        j1 = Uint32(j0 + tidx // CH)
+        for kv in cutlass.range_constexpr(2):  # K first, so the scores can start before V lands
+            w = wK if kv == 0 else wV
+            gbase = k_base if kv == 0 else v_base
+            sp = k_sp_b if kv == 0 else v_sp_b
+            so = k_so_b if kv == 0 else v_so_b
+            for i in cutlass.range(ROWS, unroll=8):
+                row = tidx // CH + i * (128 // CH)
+                # rows past the range copy the last visible key (finite; the consumers mask it to P = 0)
+                j = cutlass.min(j1 + Uint32(i * (128 // CH)), last)
+                page = Int64(Uint32(pt_row[j // self.page]))
+                src = cute.make_tensor(cute.make_ptr(dt, gbase + page * sp + Int64(j % self.page) * so,
+                                                     cute.AddressSpace.gmem, assumed_align=16),
+                                       cute.make_layout((8,)))
+                cute.copy(atom, src, self._chunk(w[stage, None, None, None, None, None], row, ch))
+            cute.arch.cp_async_mbarrier_arrive_noinc(mbar + kv * NS + stage)
