@@ -135,13 +135,20 @@ def _cute_extend_case(kw):
 
 
 # (name, make_inputs kwargs, options): the Triton family's decode/verify cases the CuTe family expresses, and
-# three more (a group of 1, float8 with D=256 and every feature, verify with G=8)
+# five more (a group of 1, float8 with D=256 and every feature, verify with G=8, two with NaN-filled unused slots)
 GPU_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES if _cute_case(c[1])] + [
     ("decode_g1_d64", dict(batch=2, hq=8, hkv=8, d=64, page_size=16, lens=[129, 64]), {}),
     ("decode_fp8_d256_features", dict(batch=2, hq=16, hkv=2, d=256, page_size=16, lens=[500, 70], kv_dtype=F8,
                                       descale="bh", kv_start=True, sinks=True), dict(window_left=50, softcap=8.0)),
     ("verify_fp8_s2_g8", dict(batch=2, q_len=2, hq=16, hkv=2, d=128, page_size=16, lens=[300, 40], kv_dtype=F8,
                               descale="bh"), {}),
+    # TMA tiles (float8 D 128 and 16-bit D 64 rows are 128 bytes) next to cp.async ones (partial tiles; ranges
+    # that kv_start or a window start off a box), with NaN in every cache slot no request may read
+    ("decode_fp8_p64_nan_unused", dict(batch=3, hq=16, hkv=4, d=128, page_size=64, lens=[1000, 333, 64],
+                                       kv_dtype=F8, descale="b", nan_unused=True), {}),
+    ("verify_d64_kv_start_window_nan_unused", dict(batch=2, q_len=3, hq=8, hkv=2, d=64, page_size=16,
+                                                   lens=[700, 90], kv_start=True, nan_unused=True),
+     dict(window_left=300)),
 ]
 
 

@@ -30,6 +30,7 @@ MAX_ROWS = 16  # query rows (S x Hq / Hkv) per CTA: the per-thread accumulators 
 KEYS_PER_THREAD = 2  # score phase: keys per thread (each q read serves both)
 MMA_M = 16  # a plan's block_m: 16 = the tensor-core kernel (one m16 tile of query rows), 1 = the CUDA-core one
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
+RING_SLACK = 1024  # the K/V ring starts on 1024 bytes (128-byte swizzle of TMA boxes); plus its stage mbarriers
 
 # Compute capabilities the GPU tests (tests/test_cute_kernels.py -m gpu) have passed on.
 VERIFIED_CAPABILITIES = frozenset({(9, 0)})
@@ -82,7 +83,8 @@ def geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, num_w
         return None
     tile_bytes = tile_n * d * kv_bits // 8
     ring_bytes = max(2 * stages * tile_bytes, 4 * key_parts * rows * d)  # later: P V partial sums
-    smem_bytes = (ring_bytes + 4 * rows * d + 4 * parts * rows * tile_n + 4 * tile_n * rows + 4 * 3 * rows + 256)
+    smem_bytes = (ring_bytes + 4 * rows * d + 4 * parts * rows * tile_n + 4 * tile_n * rows + 4 * 3 * rows + 256
+                  + RING_SLACK + 8 * stages)
     if smem_bytes > SMEM_LIMIT:
         return None
     return dict(d=d, rows=rows, tile_n=tile_n, stages=stages, warps=num_warps, threads=threads, vec=vec,
@@ -104,7 +106,7 @@ def mma_geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, n
         return None
     tile_bytes = tile_n * d * kv_bits // 8
     ring_bytes = max(2 * stages * tile_bytes, 4 * num_warps * 16 * d)  # later: the warps' partial outputs
-    smem_bytes = ring_bytes + 2 * 4 * num_warps * 16 + 256
+    smem_bytes = ring_bytes + 2 * 4 * num_warps * 16 + 256 + RING_SLACK + 8 * stages
     if smem_bytes > SMEM_LIMIT:
         return None
     return dict(d=d, rows=rows, tile_n=tile_n, keys_per_warp=tile_n // num_warps, stages=stages, warps=num_warps,
@@ -131,9 +133,9 @@ def extend_geometry(*, d: int, tile_n: int, stages: int) -> dict | None:
 
 
 def tma_box(*, page: int, tile_n: int) -> int:
-    """Keys per TMA box of the extend kernel (extend.py), or 0 where the page geometry allows none (every
-    tile then gathers with cp.async): a box is min(page, tile_n) keys of one page, a whole number of 8-row
-    swizzle atoms, and a tile is a whole number of boxes (or a page a whole number of tiles)."""
+    """Keys per TMA box (kernels/cute/tma.py) for the extend and decode kernels, or 0 where the page geometry
+    allows none (every tile then gathers with cp.async): a box is min(page, tile_n) keys of one page, a whole
+    number of 8-row swizzle atoms, and a tile is a whole number of boxes (or a page a whole number of tiles)."""
     box = min(page, tile_n)
     if box % 8 or max(page, tile_n) % box:
         return 0
@@ -174,7 +176,7 @@ def _compiled(key):
 
     args = [ptr(qt, q_dtype.itemsize), ptr(kvt, 16), ptr(kvt, 16), ptr(Int32), ptr(Int32), ptr(Int32),
             ptr(Float32), ptr(Float32), ptr(Float32), ptr(Float32), Int32(1), *[Int64(1)] * 10, *[Int32(0)] * 7,
-            Int32(-1), Float32(1.0), Float32(1.0), make_fake_stream()]
+            Int32(-1), Float32(1.0), Float32(1.0), Int32(1), Int32(1), make_fake_stream()]
     return cute.compile(kernel, *args)
 
 
@@ -188,7 +190,8 @@ def _key(shapes, plan: dict, options: dict) -> tuple:
 
 
 def _check_aligned(name: str, t: torch.Tensor, elems: int) -> None:
-    """16-byte cp.async chunks: rows must start on 16 bytes (pointer and every stride but the last)."""
+    """16-byte cp.async chunks and TMA strides: rows must start on 16 bytes (pointer and every stride but the
+    last)."""
     step = 16 // t.element_size()
     if t.data_ptr() % 16 or t.stride(-1) != 1 or any(st % step for st in t.stride()[:-1]) or elems % step:
         raise ValueError(f"paged_attention: the CuTe family needs {name} with 16-byte aligned rows (data_ptr and "
@@ -216,7 +219,7 @@ def _compiled_extend(key):
         return make_ptr(dt, 1 << 20, gmem, assumed_align=align)
 
     args = [ptr(qt, 16), ptr(qt, 16), ptr(qt, 16), *[ptr(Int32)] * 4, *[ptr(Float32)] * 3, ptr(qt, 2),
-            ptr(Float32), *[Int64(8)] * 10, *[Int32(0)] * 8, Int32(-1), Float32(1.0), Float32(1.0), Int32(1), Int32(1),
+            ptr(Float32), *[Int64(1)] * 10, *[Int32(0)] * 8, Int32(-1), Float32(1.0), Float32(1.0), Int32(1), Int32(1),
             make_fake_stream()]
     return cute.compile(kernel, *args)
 
@@ -317,7 +320,7 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
             *[Int64(x) for x in (*q.stride()[:3], kp, ko, kh, vp, vo, vh, pt.stride(0))],
             Int32(kds_b), Int32(kds_h), Int32(vds_b), Int32(vds_h), Int32(kv_start is not None), Int32(has_kds),
             Int32(has_vds), Int32(max(window, 0)), Float32(float(options["scale"])),
-            Float32(softcap if softcap > 0 else 1.0), stream,
+            Float32(softcap if softcap > 0 else 1.0), Int32(k_cache.shape[0]), Int32(v_cache.shape[0]), stream,
         )
         sinks = tensors["sinks"]
         triton_decode.merge_kernel[(batch * s * hq,)](

@@ -2,7 +2,7 @@
 
 The query rows of one KV head (at most 16: S x G) fill one m16 tile; each of the CTA's warps takes its own
 16 or 32 keys of every tile and keeps its own online softmax, so warps meet only at the one barrier that
-hands over a cp.async stage (decode.py's loader and swizzled ring) and at the end, where the warps' partial
+hands over a stage (decode.py's loaders, TMA or cp.async, and swizzled ring) and at the end, where the warps' partial
 results are merged in shared memory. Per warp and tile: S = Q K^T (KW/8 n-tiles x D/16 k-steps), masks and
 softmax on the accumulator fragments, O += P V (D/8 n-tiles x KW/16 k-steps). Float8 caches are widened in
 registers: K pairs with one cvt.rn.f16x2.e4m3x2, V bytes of two keys packed then widened; the products of
@@ -99,7 +99,7 @@ class MmaSplitKernel(SplitKernel):
         v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
         kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
         has_kv_start: Int32, has_kds: Int32, has_vds: Int32,
-        window_left: Int32, sm_scale: Float32, softcap: Float32,
+        window_left: Int32, sm_scale: Float32, softcap: Float32, tma_k, m_k, tma_v, m_v,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         split, h, b = cute.arch.block_idx()
@@ -126,10 +126,11 @@ class MmaSplitKernel(SplitKernel):
         # ---- shared memory: the K/V ring (later: the warps' partial outputs), the warps' row stats ----
         smem = cutlass.utils.SmemAllocator()
         kv_layout = cute.make_layout((NS, TILE_N, CH, VEC), stride=(TILE_N * D, D, VEC, 1))
-        ring_raw = smem.allocate(self.ring_bytes, byte_alignment=128)
+        ring_raw = smem.allocate(self.ring_bytes, byte_alignment=1024)
         ring = cute.recast_ptr(ring_raw, dtype=kvt)
         sK = cute.make_tensor(ring, kv_layout)
         sV = cute.make_tensor(ring + NS * TILE_N * D, kv_layout)
+        tiles = self._ring_barriers(smem, tidx, tma_k, m_k, tma_v, m_v)
         if const_expr(self.fp8):
             k16 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint16), cute.make_layout((1 << 24,)))
             v8 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint8), cute.make_layout((1 << 24,)))
@@ -179,19 +180,18 @@ class MmaSplitKernel(SplitKernel):
 
         for st in cutlass.range_constexpr(NS - 1):
             if st < n_tiles:
-                self._load_tile(k_base, v_base, pt_row, sK, sV, atom, s_lo + st * TILE_N, s_hi, Int32(st), tidx,
-                                k_sp, k_so, v_sp, v_so)
-            cute.arch.cp_async_commit_group()
+                self._fill(k_base, v_base, pt_row, sK, sV, atom, s_lo + st * TILE_N, s_hi, Int32(st), tidx, h,
+                           k_sp, k_so, v_sp, v_so, tiles)
+            self._commit()
 
         for it in cutlass.range(n_tiles, unroll=1):
             stage = it % NS
-            cute.arch.cp_async_wait_group(NS - 2)
-            cute.arch.barrier()
+            self._wait(it, tiles)
             nxt = it + NS - 1
             if nxt < n_tiles:
-                self._load_tile(k_base, v_base, pt_row, sK, sV, atom, s_lo + nxt * TILE_N, s_hi, nxt % NS, tidx,
-                                k_sp, k_so, v_sp, v_so)
-            cute.arch.cp_async_commit_group()
+                self._fill(k_base, v_base, pt_row, sK, sV, atom, s_lo + nxt * TILE_N, s_hi, nxt % NS, tidx, h,
+                           k_sp, k_so, v_sp, v_so, tiles)
+            self._commit()
             key0 = warp * KW  # this warp's keys of the tile
             kbase = stage * (TILE_N * D)
             vbase = NS * TILE_N * D + stage * (TILE_N * D)

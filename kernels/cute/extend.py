@@ -62,6 +62,7 @@ from cutlass.utils import LayoutEnum
 
 from b12x_inductor.kernels.cute import EXTEND_BLOCK_M as BLOCK_M
 from b12x_inductor.kernels.cute import extend_geometry, tma_box
+from b12x_inductor.kernels.cute import tma
 from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG, live_range, logit, scales, visible
 
 LN2 = 0.6931471805599453
@@ -95,32 +96,17 @@ class ExtendKernel:
         has_kv_start: Int32, has_sinks: Int32, has_kds: Int32, has_vds: Int32,
         window_left: Int32, sm_scale: Float32, softcap: Float32, k_pages: Int32, v_pages: Int32, stream,
     ):
-        tma_k, m_k = self._tma_atom(k_ptr, k_pages, k_sp, k_so, k_sh)
-        tma_v, m_v = self._tma_atom(v_ptr, v_pages, v_sp, v_so, v_sh)
+        tma_k, m_k, tma_v, m_v = None, None, None, None
+        if const_expr(self.box != 0):
+            geo = dict(page=self.page, d=self.d, hkv=self.hq // self.g, box=self.box)
+            tma_k, m_k = tma.cache_tma(k_ptr, k_pages, k_sp, k_so, k_sh, **geo)
+            tma_v, m_v = tma.cache_tma(v_ptr, v_pages, v_sp, v_so, v_sh, **geo)
         self.kernel(
             q_ptr, k_ptr, v_ptr, pt_ptr, seqlens_ptr, cu_ptr, kv_start_ptr, sinks_ptr, kds_ptr, vds_ptr, out_ptr,
             lse_ptr, q_sb, q_ss, q_sh, k_sp, k_so, k_sh, v_sp, v_so, v_sh, pt_sb, kds_b, kds_h, vds_b, vds_h,
             has_kv_start, has_sinks, has_kds, has_vds, window_left, sm_scale, softcap, tma_k, m_k, tma_v, m_v,
         ).launch(grid=(self.hq, self.tiles, 1), block=(THREADS, 1, 1), smem=self.smem_bytes, stream=stream,
                  min_blocks_per_mp=1)
-
-    @cute.jit
-    def _tma_atom(self, ptr: cute.Pointer, pages: Int32, sp: Int64, so: Int64, sh: Int64):
-        """The TMA atom for one cache (K or V) and its coordinate tensor (slot, d, KV head, page): one copy
-        moves a box of BOX keys of one page x 64 of the head dim (128 bytes a row) into shared memory with the
-        128-byte swizzle the wgmma reads. (None, None) where the page geometry has no box (see __init__)."""
-        if const_expr(self.box == 0):
-            return None, None
-        strides = tuple(cute.assume(x, divby=8) for x in (so, sh, sp))  # 16-byte strides (checked on the host)
-        cache = cute.make_tensor(ptr, cute.make_layout((self.page, self.d, self.hq // self.g, pages),
-                                                       stride=(strides[0], 1, strides[1], strides[2])))
-        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), cache, self._box_layout(),
-                                           (self.box, 64))
-
-    def _box_layout(self):
-        """Shared-memory layout of one TMA box: BOX rows x 64 elements, 128-byte swizzle (the K/V tile bytes)."""
-        return cute.slice_(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, self.box, 64), self.dtype,
-                                                         1), (None, None, 0))
 
     @cute.jit
     def _tile_map(self, cu_ptr: cute.Pointer, t: Int32):
@@ -536,17 +522,13 @@ class ExtendKernel:
         NS = const_expr(self.stages)
         SLABS = const_expr(max(self.d // 64, 1))
         BOX_ROWS = const_expr(BN // BOX)
-        box_layout = self._box_layout()
         warp = tidx // 32
         lane = tidx % 32
-        row_in_page = Int32(Uint32(j0) % self.page) // BOX  # the same for every box (j0 is box-aligned)
         page = Int32(0)
         if (warp + 4 * lane < BOX_ROWS) & (lane < (BOX_ROWS + 3) // 4):
             pt_row = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
-            page = pt_row[Uint32(j0 + (warp + 4 * lane) * BOX) // self.page]
+            page = tma.box_page(pt_row, j0, self.page, BOX, warp + 4 * lane)
         for kv in cutlass.range_constexpr(2):
-            atom = tma_k if kv == 0 else tma_v
-            coords = m_k if kv == 0 else m_v
             bar = mbar + kv * NS + stage
             if tidx == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, BN * self.d * 2)
@@ -558,13 +540,9 @@ class ExtendKernel:
                     p = cute.arch.shuffle_sync(page, i)
                     for sl in cutlass.range_constexpr(SLABS):
                         # stage, slab sl, rows rb x BOX ... of the K or V ring (elements; see chunks_view)
-                        dst_ptr = ring + ((kv * NS + stage) * BN * self.d + sl * BN * 64 + rb * BOX * 64)
-                        dst = cute.make_tensor(cute.recast_ptr(dst_ptr, box_layout.inner, dtype=self.dtype),
-                                               box_layout.outer)
-                        src = cute.local_tile(coords, (BOX, 64, 1, 1), (row_in_page, sl, h, p))[None, None, 0, 0]
-                        t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
-                                                         cute.group_modes(src, 0, 2))
-                        cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+                        dst = ring + ((kv * NS + stage) * BN * self.d + sl * BN * 64 + rb * BOX * 64)
+                        tma.copy_box(tma_k if kv == 0 else tma_v, m_k if kv == 0 else m_v, dst, BOX, j0, self.page,
+                                     sl, h, p, bar)
 
     @cute.jit
     def _cp_async_tile(self, tidx: Int32, b: Int32, h: Int32, j0: Int32, hi: Int32, stage: Int32,
