@@ -61,8 +61,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from b12x_inductor.kernels.cute import EXTEND_BLOCK_M as BLOCK_M
-from b12x_inductor.kernels.cute import extend_geometry, tma_box
-from b12x_inductor.kernels.cute import tma
+from b12x_inductor.kernels.cute import extend_geometry, tma, tma_box
 from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG, live_range, logit, scales, visible
 
 LN2 = 0.6931471805599453
@@ -483,14 +482,11 @@ class ExtendKernel:
         its own loads, only for a stage to be released.
 
         A tile of keys the request has (all below its length, so finite even past the causal or window
-        limit) starting on a box boundary goes by TMA, where the page geometry allows (`tma_box`): BN / BOX
-        x D / 64 boxes, one per thread of the first warp, each thread arriving with its box's byte count
-        (mbarrier expect-tx) and the others with none. Any other tile goes by cp.async, 16-byte chunks with
-        the page looked up per key, each thread's arrival landing with its copies (cp.async.mbarrier.arrive)."""
+        limit) starting on a box boundary goes by TMA where the page geometry allows (`tma_box`, `_tma_tile`);
+        any other tile by cp.async (`_cp_async_tile`)."""
         BN = const_expr(self.tile_n)
         NS = const_expr(self.stages)
         BOX = const_expr(self.box)
-        SLABS = const_expr(max(self.d // 64, 1))
         if const_expr(BOX != 0):
             if tidx == 0:
                 cpasync.prefetch_descriptor(tma_k)
