@@ -75,7 +75,7 @@ def test_cute_extend_plans_fit_shared_memory():
     assert extend_geometry(d=256, tile_n=64, stages=2) is None  # D = 256 is not expressed
 
 
-def test_cute_extend_tma_box_follows_the_page_geometry():
+def test_cute_tma_box_follows_the_page_geometry():
     from b12x_inductor.kernels.cute import tma_box
 
     # (page, tile_n) -> keys per TMA box; 0: every tile by cp.async
@@ -159,7 +159,7 @@ EXTEND_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CAS
     ("extend_prefix_g8", dict(batch=2, q_len=300, hq=32, hkv=4, d=128, page_size=16, lens=[300, 1000],
                               nan_unused=True), {}),
     # TMA boxes of a whole page (64 keys) and of half or a quarter of one (256 keys); slots past each length
-    # and before kv_start are NaN: only the cp.async tiles may reach them, and those copy visible keys
+    # and before kv_start are NaN: TMA takes only tiles of the request's keys, cp.async copies visible ones
     ("extend_page64_window", dict(batch=3, hq=8, hkv=2, d=128, page_size=64, packed=True, lens=[700, 300, 1000],
                                   q_lens=[300, 300, 200], kv_start=True, nan_unused=True), dict(window_left=333)),
     ("extend_page256_d64", dict(batch=2, q_len=260, hq=8, hkv=4, d=64, page_size=256, lens=[600, 1300],

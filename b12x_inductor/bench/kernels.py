@@ -12,12 +12,12 @@ timed. Timing: one CUDA graph replays the call over rotating input sets that tog
 L2, CUDA events, the median of the replays. The device copy bandwidth is measured in the same run.
 Prints a progress line per row, then writes JSON and a PNG chart.
 
-Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8 (default all),
---peers sdpa,flex,flashinfer (default all importable), --families triton,cute (each family's own plan
-side by side), --variants (tuning: other plan constants),
---head-dim (D of every row, default 128), --page-size (keys per page, default 16), --extend-rows (other extend rows, 'BxL[:S],...': S new tokens
-on L keys, a chunked prefill when S < L), --profile (no timing: after its reference check each
-implementation runs once more inside an NVTX range named after it, for
+Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8 (default all), --peers
+sdpa,flex,flashinfer (default all importable), --families triton,cute (each family's own plan side by side),
+--variants (tuning: other plan constants), --head-dim (D of every row, default 128), --page-size (keys per
+page, default 16), --extend-rows (other extend rows, 'BxL[:S],...': S new tokens on L keys, a chunked prefill
+when S < L), --profile (no timing: after its reference check each implementation runs once more inside an NVTX
+range named after it, for
 `ncu --nvtx --nvtx-include "b12x-cute/" python -m b12x_inductor.bench ... --profile`),
 --warm-peers (JIT-build FlashInfer's modules and exit).
 """
