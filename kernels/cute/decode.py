@@ -181,11 +181,21 @@ class SplitKernel:
                     dst_v[e] = self.kv_dtype(0.0)
 
     @cute.jit
-    def _ring_barriers(self, smem, tidx: Int32, tma_k, m_k, tma_v, m_v):
-        """With TMA (self.box): one mbarrier per stage, completed by the THREADS arrivals of whoever filled it
-        (plus the TMA bytes); returns what `_fill` and `_wait` need. Without: None (cp.async groups)."""
+    def _ring(self, smem, tidx: Int32, tma_k, m_k, tma_v, m_v):
+        """The K/V ring, the split kernels' first allocation (1024-byte aligned for TMA's swizzle; later reused for
+        their reductions): (its raw pointer, sK, sV, tiles). With TMA (self.box) `tiles` holds what `_fill` and
+        `_wait` need, with one mbarrier per stage completed by the THREADS arrivals of whoever filled it (plus the
+        TMA bytes); without, None (cp.async groups)."""
+        TILE_N = const_expr(self.tile_n)
+        D = const_expr(self.d)
+        kv_layout = cute.make_layout((self.stages, TILE_N, self.chunks, self.vec),
+                                     stride=(TILE_N * D, D, self.vec, 1))
+        raw = smem.allocate(self.ring_bytes, byte_alignment=1024)
+        ring = cute.recast_ptr(raw, dtype=self.kv_dtype)
+        sK = cute.make_tensor(ring, kv_layout)
+        sV = cute.make_tensor(ring + self.stages * TILE_N * D, kv_layout)
         if const_expr(self.box == 0):
-            return None
+            return raw, sK, sV, None
         mbar = smem.allocate_array(Int64, self.stages)
         if tidx == 0:
             for i in cutlass.range_constexpr(self.stages):
@@ -194,7 +204,19 @@ class SplitKernel:
             cpasync.prefetch_descriptor(tma_v)
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
-        return tma_k, m_k, tma_v, m_v, mbar
+        return raw, sK, sV, (tma_k, m_k, tma_v, m_v, mbar)
+
+    def _sources(self, pt_ptr: cute.Pointer, pt_sb: Int64, k_ptr: cute.Pointer, v_ptr: cute.Pointer, k_sh: Int64,
+                 v_sh: Int64, b: Int32, h: Int32):
+        """(pt_row, k_base, v_base, atom) as `_fill` takes them: request b's page-table row, the byte addresses of
+        KV head h in the two caches, and the 16-byte cp.async atom."""
+        kvt = self.kv_dtype
+        pt_row = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
+        k_base = k_ptr.toint() + Int64(h) * k_sh * (kvt.width // 8)
+        v_base = v_ptr.toint() + Int64(h) * v_sh * (kvt.width // 8)
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), kvt,
+                                   num_bits_per_copy=128)
+        return pt_row, k_base, v_base, atom
 
     @cute.jit
     def _fill(self, k_base: Int64, v_base: Int64, pt_row: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, atom,
@@ -306,15 +328,10 @@ class SplitKernel:
         PARTS = const_expr(self.parts)
         CPT = const_expr(self.cpt)
         KP = const_expr(self.key_parts)
-        kvt = self.kv_dtype
 
         # ---- shared memory ----
         smem = cutlass.utils.SmemAllocator()
-        kv_layout = cute.make_layout((NS, TILE_N, CH, VEC), stride=(TILE_N * D, D, VEC, 1))
-        ring = cute.recast_ptr(smem.allocate(self.ring_bytes, byte_alignment=1024), dtype=kvt)
-        sK = cute.make_tensor(ring, kv_layout)
-        sV = cute.make_tensor(ring + NS * TILE_N * D, kv_layout)
-        tiles = self._ring_barriers(smem, tidx, tma_k, m_k, tma_v, m_v)
+        _, sK, sV, tiles = self._ring(smem, tidx, tma_k, m_k, tma_v, m_v)
         sQ = smem.allocate_tensor(Float32, cute.make_layout((R, CH, VEC), stride=(D, VEC, 1)), byte_alignment=16)
         sS = smem.allocate_tensor(Float32, cute.make_layout((PARTS, R, TILE_N), stride=(R * TILE_N, TILE_N, 1)),
                                   byte_alignment=16)
@@ -338,11 +355,7 @@ class SplitKernel:
                 off = Int64(b) * q_sb + Int64(r // G) * q_ss + Int64(h * G + r % G) * q_sh + Int64(col)
                 sQ[r, col // VEC, col % VEC] = Float32(q_rows[off])
 
-        pt_row = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
-        k_base = k_ptr.toint() + Int64(h) * k_sh * (kvt.width // 8)
-        v_base = v_ptr.toint() + Int64(h) * v_sh * (kvt.width // 8)
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), kvt,
-                                   num_bits_per_copy=128)
+        pt_row, k_base, v_base, atom = self._sources(pt_ptr, pt_sb, k_ptr, v_ptr, k_sh, v_sh, b, h)
 
         # ---- per-thread state ----
         # score phase: keys kj and kj + TILE_N / 2, head-dim part qp

@@ -115,22 +115,15 @@ class MmaSplitKernel(SplitKernel):
         G = const_expr(self.g)
         R = const_expr(self.rows)
         VEC = const_expr(self.vec)
-        CH = const_expr(self.chunks)
         NS = const_expr(self.stages)
         KSTEPS = const_expr(D // 16)
         NTILES = const_expr(D // 8)
         KW = const_expr(self.keys_per_warp)  # keys of each tile per warp: KW / 8 S n-tiles, KW / 16 P V k-steps
         BF = const_expr(self.bf16_ops)
-        kvt = self.kv_dtype
 
         # ---- shared memory: the K/V ring (later: the warps' partial outputs), the warps' row stats ----
         smem = cutlass.utils.SmemAllocator()
-        kv_layout = cute.make_layout((NS, TILE_N, CH, VEC), stride=(TILE_N * D, D, VEC, 1))
-        ring_raw = smem.allocate(self.ring_bytes, byte_alignment=1024)
-        ring = cute.recast_ptr(ring_raw, dtype=kvt)
-        sK = cute.make_tensor(ring, kv_layout)
-        sV = cute.make_tensor(ring + NS * TILE_N * D, kv_layout)
-        tiles = self._ring_barriers(smem, tidx, tma_k, m_k, tma_v, m_v)
+        ring_raw, sK, sV, tiles = self._ring(smem, tidx, tma_k, m_k, tma_v, m_v)
         if const_expr(self.fp8):
             k16 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint16), cute.make_layout((1 << 24,)))
             v8 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint8), cute.make_layout((1 << 24,)))
@@ -160,11 +153,7 @@ class MmaSplitKernel(SplitKernel):
                     x1 = Float32(q_rows[off + 1])
                 qa[ks, reg] = _pack2(x0, x1, bf16=BF)
 
-        pt_row = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
-        k_base = k_ptr.toint() + Int64(h) * k_sh * (kvt.width // 8)
-        v_base = v_ptr.toint() + Int64(h) * v_sh * (kvt.width // 8)
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), kvt,
-                                   num_bits_per_copy=128)
+        pt_row, k_base, v_base, atom = self._sources(pt_ptr, pt_sb, k_ptr, v_ptr, k_sh, v_sh, b, h)
 
         acc = cute.make_rmem_tensor((NTILES, 4), Float32)
         for nt in cutlass.range_constexpr(NTILES):
