@@ -119,7 +119,8 @@ def test_half_precision_tokens_equal_sdpa(arch, dtype):
 
 def test_layer_routes_through_update_kwargs_or_layer_table():
     """transformers >= 5.24 hands the kwargs of cache.update to attention; older versions get the layer
-    through a table keyed by layer_idx, consumed by the attention call that follows."""
+    through a table keyed by layer_idx, consumed by the attention call that follows. A table entry whose
+    pools are not the attention's keys is stale (a forward that failed in between) and ignored."""
     from b12x_inductor.integrations import hf_cache
 
     model = make_model("llama")
@@ -134,8 +135,9 @@ def test_layer_routes_through_update_kwargs_or_layer_table():
     assert hf_cache.routed_layer(module, layer.keys, {}) is layer
     assert hf_cache.routed_layer(module, layer.keys, {}) is None  # consumed
     hf_cache.route(layer, {})
+    assert hf_cache.routed_layer(module, layer.keys.clone(), {}) is None and not hf_cache._ROUTES  # stale
     with pytest.raises(ValueError, match="mixing caches"):
-        hf_cache.routed_layer(module, torch.zeros(2, 2, 64, 64), {})
+        hf_cache.routed_layer(module, torch.zeros(2, 2, 64, 64), {hf_cache.ROUTE_KEY: layer})
 
 
 def test_prefill_through_extend_plan_and_long_prompt(spy):
@@ -308,11 +310,13 @@ def test_b12x_cache_overflow_and_batch_fail_with_a_clear_message():
         generate(model, "b12x", ids, mask, **cache_kwarg(model, new_b12x_cache(model, 2, max_cache_len=16)))
 
 
-def test_sliding_window_model_fails_with_a_clear_message():
-    model = make_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
-    ids, mask = prompts(1, seed=6)
-    with pytest.raises(ValueError, match=r"sliding.*sdpa"):
-        generate(model, "b12x", ids, mask, cache_implementation="static")
+def test_chunked_attention_fails_with_a_clear_message():
+    """A mask pattern b12x cannot express (here chunked attention, as Llama 4's) fails at the first call."""
+    from transformers.masking_utils import chunked_causal_mask_function
+
+    with pytest.raises(ValueError, match=r"another mask pattern.*sdpa"):
+        hf.b12x_mask(1, 4, 4, mask_function=chunked_causal_mask_function(2, torch.zeros(1, dtype=torch.long)),
+                     local_size=2)
 
 
 def assert_greedy_equal(model, ids, mask, want, got, name, ulps=4):
