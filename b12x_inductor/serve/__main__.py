@@ -43,7 +43,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m b12x_inductor.serve", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--demo", action="store_true", help="a random-weight Llama built locally (no download)")
-    src.add_argument("--model", metavar="PATH", help="a local transformers checkpoint (Llama / Qwen2 family)")
+    src.add_argument("--model", metavar="PATH", help="a local transformers checkpoint (causal full and sliding-window "
+                     "attention layers: Llama, Mistral, Qwen2, Gemma 2 / 3, gpt-oss, ...)")
     p.add_argument("--size", choices=("tiny", "small", "1b"), help="demo model size")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),

@@ -24,31 +24,159 @@ import weakref
 import torch
 
 import b12x_inductor as b12x
+from b12x_inductor.plan import HEAD_DIMS
 from b12x_inductor.serve.config import ServeConfig
 from b12x_inductor.serve.scheduler import Step
 
 ATTN_NAME = "b12x_serve"
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# Attention keyword arguments that the engine takes and honors: each is turned into an argument of
+# `paged_attention`, or accepted only with the one value the engine implements (refused otherwise).
+HONORED_KWARGS = ("b12x_serve", "scaling", "sliding_window", "softcap", "s_aux", "dropout", "output_attentions",
+                  "is_causal")
+# Attention keyword arguments that cannot change the output of this engine's attention, whatever their value.
+HARMLESS_KWARGS = {
+    "position_ids": "RoPE has already been applied to query and key before the attention call; the engine's "
+                    "positions reach attention through the slot mapping and the lengths",
+    "use_cache": "the engine owns the KV cache (write_kv into its pool); the model's own cache is off",
+    "output_router_logits": "a MoE flag read by the router and the model's output; attention never reads it",
+}
 
 
-def _attention(module, query, key, value, attention_mask, *, scaling=None, b12x_serve=None, sliding_window=None,
-               softcap=None, **kwargs):
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def attention_arguments(module, query, key, value, attention_mask, kwargs: dict, window: int | None) -> dict:
+    """The `paged_attention` keyword arguments (scale, window_left, softcap, sinks) of one transformers
+    attention call, or ValueError naming the argument that the engine cannot honor.
+
+    `window` is the layer's sliding window by its config (None: a full-attention layer); the call must pass
+    the same. Every keyword is honored (HONORED_KWARGS), harmless (HARMLESS_KWARGS) or None; anything else is
+    refused, so no argument is ever silently dropped."""
+    where = f"attention {ATTN_NAME!r} (layer {getattr(module, 'layer_idx', '?')})"
+    if attention_mask is not None:
+        raise ValueError(f"{where}: attention_mask must be None (the engine derives causal and sliding-window "
+                         f"visibility from its page table and lengths); got {_describe(attention_mask)}. A model "
+                         "that builds its own mask cannot be served by this engine: use transformers' generate")
+    for name, val in kwargs.items():
+        if name not in HONORED_KWARGS and name not in HARMLESS_KWARGS and val is not None:
+            raise ValueError(f"{where}: attention argument {name!r} is not supported by the serving engine "
+                             f"(supported: {sorted(HONORED_KWARGS + tuple(HARMLESS_KWARGS))}, others only when "
+                             f"None); got {name}={_describe(val)}")
+    dropout = kwargs.get("dropout")
+    if dropout is not None and dropout != 0:
+        raise ValueError(f"{where}: dropout must be 0 (the engine serves in eval mode: call model.eval()); got "
+                         f"dropout={_describe(dropout)} with module.training={module.training}")
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"{where}: output_attentions must be False or None (the engine returns no attention "
+                         f"weights); got {_describe(kwargs['output_attentions'])}")
+    if kwargs.get("is_causal", True) is False:
+        raise ValueError(f"{where}: is_causal must be True or None (the engine runs causal attention only); "
+                         "got False")
+    q_heads, d = query.shape[1], query.shape[-1]
+    if key.shape != value.shape or key.shape[0] != query.shape[0] or key.shape[2:] != query.shape[2:]:
+        raise ValueError(f"{where}: key and value must be the step's new tokens, [B, Hkv, S, D] like query "
+                         f"[B, Hq, S, D] = {list(query.shape)}; got key {list(key.shape)}, value "
+                         f"{list(value.shape)}")
+    scaling = kwargs.get("scaling")
+    sliding = kwargs.get("sliding_window")
+    if sliding != window:
+        raise ValueError(f"{where}: sliding_window must be {window} (this layer's window by "
+                         f"config.layer_types / config.sliding_window; None for a full-attention layer); got "
+                         f"{_describe(sliding)}")
+    if sliding is not None and (not isinstance(sliding, int) or sliding < 1):
+        raise ValueError(f"{where}: sliding_window must be an int >= 1 or None; got {_describe(sliding)}")
+    softcap = kwargs.get("softcap")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap >= 0):
+        raise ValueError(f"{where}: softcap must be None or a number >= 0; got {_describe(softcap)}")
+    sinks = kwargs.get("s_aux")
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        raise ValueError(f"{where}: s_aux must be the module's attention sinks (module.sinks, "
+                         f"{_describe(module.sinks)}); got None")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.shape != (q_heads,):
+            raise ValueError(f"{where}: s_aux (attention sinks) must be a tensor of shape [{q_heads}] (one logit "
+                             f"per query head); got {_describe(sinks)}")
+        sinks = sinks.float()
+    return dict(scale=scaling, window_left=-1 if sliding is None else sliding - 1, softcap=float(softcap or 0.0),
+                sinks=sinks)
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
     """transformers attention interface: query [B, Hq, S, D], key/value [B, Hkv, S, D] of the new tokens
-    -> [B, S, Hq, D]. `b12x_serve` (a dict from `ModelRunner._forward`) names the pool and the step's
-    slot mapping, page table, lengths and cu_seqlens_q (extend steps: B == 1, tokens packed)."""
-    if b12x_serve is None:
+    -> [B, S, Hq, D]. `b12x_serve` (a dict from `ModelRunner._forward`) names the pool, each layer's window and
+    the step's slot mapping, page table, lengths and cu_seqlens_q (extend steps: B == 1, tokens packed).
+    Every other keyword is honored or refused (`attention_arguments`)."""
+    info = kwargs.get("b12x_serve")
+    if info is None:
         raise ValueError(f"attention {ATTN_NAME!r} runs only inside b12x_inductor.serve.ModelRunner")
-    k_cache, v_cache = b12x_serve["kv"][module.layer_idx]
+    layer = module.layer_idx
+    options = attention_arguments(module, query, key, value, attention_mask, kwargs, info["windows"][layer])
+    k_cache, v_cache = info["kv"][layer]
     b, hkv, s, d = key.shape
     b12x.write_kv(key.transpose(1, 2).reshape(b * s, hkv, d), value.transpose(1, 2).reshape(b * s, hkv, d),
-                  k_cache, v_cache, b12x_serve["slots"])
+                  k_cache, v_cache, info["slots"])
     q = query.transpose(1, 2)  # [B, S, Hq, D]
-    cu = b12x_serve["cu_seqlens_q"]
+    cu = info["cu_seqlens_q"]
     if cu is not None:
         q = q.reshape(b * s, -1, d)  # packed [T, Hq, D]
-    out = b12x.paged_attention(q, k_cache, v_cache, b12x_serve["page_table"], b12x_serve["seqlens"], cu,
-                               scale=scaling, window_left=-1 if sliding_window is None else sliding_window - 1,
-                               softcap=softcap or 0.0)
+    out = b12x.paged_attention(q, k_cache, v_cache, info["page_table"], info["seqlens"], cu, **options)
     return out.reshape(b, s, -1, d), None
+
+
+def layer_windows(model) -> list[int | None]:
+    """Per decoder layer, its sliding window (None: full attention), from the model's config; ValueError for
+    what the engine cannot serve, with what to use instead."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    cfg = model.config.get_text_config(decoder=True)
+    name = type(cfg).__name__
+    instead = "serve this model with transformers' generate (attn_implementation='sdpa' or 'eager') instead"
+    if cfg.__dict__.get("_heterogeneity_spec") is not None:
+        raise ValueError(f"ModelRunner: {name} is a heterogeneous config (per-layer shapes); the engine's pool "
+                         f"needs one head count and head_dim for all layers: {instead}")
+    if getattr(cfg, "attention_chunk_size", None) is not None:
+        raise ValueError(f"ModelRunner: {name}.attention_chunk_size must be None (the engine has no chunked "
+                         f"attention); got {cfg.attention_chunk_size}: {instead}")
+    if getattr(cfg, "is_causal", True) is False or getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError(f"ModelRunner: {name} must be causal (is_causal True, use_bidirectional_attention "
+                         f"False); got is_causal={getattr(cfg, 'is_causal', None)}, use_bidirectional_attention="
+                         f"{getattr(cfg, 'use_bidirectional_attention', None)}: {instead}")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"ModelRunner: {name} head_dim must be one of {HEAD_DIMS} (the kernels' head dims); "
+                         f"got {head_dim}: {instead}")
+
+    def check_types(types):
+        if len(types) != cfg.num_hidden_layers:
+            raise ValueError(f"ModelRunner: {name}.layer_types must name one type per layer "
+                             f"({cfg.num_hidden_layers}); got {len(types)}")
+        for i, kind in enumerate(types):
+            if kind not in SERVED_LAYER_TYPES:
+                raise ValueError(f"ModelRunner: layer {i} of {name} has attention type {kind!r} "
+                                 f"(config.layer_types); the engine serves {SERVED_LAYER_TYPES} only: {instead}")
+
+    if getattr(cfg, "layer_types", None) is not None:
+        check_types(cfg.layer_types)  # first: transformers' own reading of some types fails on some configs
+    types, per_layer = get_layer_types_and_kwargs(cfg)
+    check_types(types)
+    windows = []
+    for i, (kind, kw) in enumerate(zip(types, per_layer)):
+        window = kw.get("sliding_window") if kind == "sliding_attention" else None
+        if kind == "sliding_attention" and not (isinstance(window, int) and window >= 1):
+            raise ValueError(f"ModelRunner: layer {i} of {name} is a sliding_attention layer; its sliding_window "
+                             f"must be an int >= 1; got {window!r}")
+        windows.append(window)
+    for module in model.get_decoder().modules():
+        if hasattr(module, "layer_idx") and getattr(module, "is_causal", True) is False:
+            raise ValueError(f"ModelRunner: {type(module).__name__} (layer {module.layer_idx}) has is_causal "
+                             f"False; the engine runs causal attention only: {instead}")
+    return windows
 
 
 def register_attention() -> None:
@@ -60,16 +188,18 @@ def register_attention() -> None:
 class ModelRunner:
     """Owns the paged KV pool of a transformers causal LM and runs scheduler steps through it.
 
-    model: a transformers causal LM (Llama / Qwen2 family: decoder via get_decoder(), lm_head via
-    get_output_embeddings()), switched to the "b12x_serve" attention. The pool: per layer, keys and values
-    [num_pages, page_size, Hkv, D] in the model's dtype, on its device.
+    model: a transformers causal LM (decoder via get_decoder(), lm_head via get_output_embeddings()) whose
+    layers are causal full-attention or sliding-window layers (`layer_windows`; windows, logit softcap, any
+    scaling and attention sinks are honored), switched to the "b12x_serve" attention. The pool: per layer,
+    keys and values [num_pages, page_size, Hkv, D] in the model's dtype, on its device.
     """
 
     def __init__(self, model, config: ServeConfig) -> None:
+        self.windows = layer_windows(model)  # refuses what the engine cannot serve, before touching the model
         register_attention()
         self.model, self.config = model, config
         self.decoder, self.lm_head = model.get_decoder(), model.get_output_embeddings()
-        cfg = model.config.get_text_config()
+        cfg = model.config.get_text_config(decoder=True)
         hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
@@ -90,10 +220,11 @@ class ModelRunner:
         self._rows = weakref.WeakKeyDictionary()  # request -> (page count, its page-table row)
         self.forward = self._forward
         if config.compile:
-            limit = len(self.buckets) + 8
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-            torch._dynamo.config.accumulated_recompile_limit = max(
-                torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
+            # Every runner's buckets are cache entries of the same code object (ModelRunner._forward), so each
+            # runner adds its bucket count to Dynamo's limits: several engines in one process never hit them.
+            dyn = torch._dynamo.config
+            dyn.recompile_limit += len(self.buckets)
+            dyn.accumulated_recompile_limit += 4 * len(self.buckets)
             self.forward = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                          mode="reduce-overhead" if self.cuda_graphs else None)
 
@@ -106,8 +237,8 @@ class ModelRunner:
         parts = meta.split(sizes)
         ids, positions, slots, page_table, seqlens = parts[:5]
         shape = (1, width) if kind == "extend" else (rows, width)
-        info = dict(kv=self.kv, slots=slots, page_table=page_table.view(rows, pages).int(), seqlens=seqlens.int(),
-                    cu_seqlens_q=parts[5].int() if kind == "extend" else None)
+        info = dict(kv=self.kv, windows=self.windows, slots=slots, page_table=page_table.view(rows, pages).int(),
+                    seqlens=seqlens.int(), cu_seqlens_q=parts[5].int() if kind == "extend" else None)
         hidden = self.decoder(input_ids=ids.view(shape), position_ids=positions.view(shape), use_cache=False,
                               b12x_serve=info).last_hidden_state
         hidden = hidden.flatten(0, 1)  # [n, H]
@@ -178,7 +309,12 @@ class ModelRunner:
             return self.forward(meta, kind, rows, width)
 
     def warmup(self) -> None:
-        """Compiles (and on CUDA captures) every bucket with padding-only inputs: writes nothing."""
+        """Compiles (and on CUDA captures) every bucket with padding-only inputs: writes nothing. First runs
+        the smallest bucket eagerly, so an attention argument the engine refuses raises its ValueError here
+        (under torch.compile it would surface wrapped in a Dynamo error)."""
+        kind, rows, width = self.buckets[0]
+        with torch.no_grad():
+            self._forward(self.metadata(None, kind, rows, width).to(self.device), kind, rows, width)
         for kind, rows, width in self.buckets:
             for _ in range(3 if self.cuda_graphs else 1):  # cudagraph trees record on the 2nd/3rd call
                 self._call(self.metadata(None, kind, rows, width), kind, rows, width).tolist()
