@@ -50,6 +50,6 @@ def make_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, 
 
 
 def layer_types(model) -> list[str]:
-    from transformers.cache_utils import get_layer_types_and_kwargs
+    from b12x_inductor.integrations.hf_cache import layer_windows
 
-    return get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))[0]
+    return layer_windows(model.config.get_text_config(decoder=True))[0]

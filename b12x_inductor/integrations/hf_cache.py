@@ -65,6 +65,15 @@ def routed_layer(module: torch.nn.Module, key: torch.Tensor, attn_kwargs: dict) 
     return layer
 
 
+def layer_windows(config) -> tuple[list[str], list[int | None]]:
+    """transformers' layer types of a (text) config, as its static cache reads them, and each layer's
+    sliding window (None for other layers). transformers >= 5.24 gives per-layer kwargs, 5.17 one dict."""
+    layer_types, kwargs = get_layer_types_and_kwargs(config)
+    per_layer = kwargs if isinstance(kwargs, list) else [kwargs] * len(layer_types)
+    return list(layer_types), [kw.get("sliding_window") if t == "sliding_attention" else None
+                               for t, kw in zip(layer_types, per_layer)]
+
+
 class B12xLayer(CacheLayerMixin):
     """One decoder layer of a B12xCache (see the module docstring for the tensors).
 
@@ -271,7 +280,7 @@ class B12xCache(Cache):
             raise ValueError(f"B12xCache: window_slack must be >= {MAX_VERIFY_LEN}; got {window_slack}")
         if kv_dtype not in (dtype, torch.float8_e4m3fn):
             raise TypeError(f"B12xCache: kv_dtype must be dtype ({dtype}) or torch.float8_e4m3fn; got {kv_dtype}")
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        layer_types, windows = layer_windows(config)
         other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
         if other:
             raise ValueError(f"B12xCache: holds full_attention and sliding_attention layers; this model has "
@@ -285,7 +294,7 @@ class B12xCache(Cache):
         rows = torch.arange(max_batch_size, dtype=torch.int32, device=device)[:, None]
         self.page_table = (rows * pages_per_req + columns) % max(num_pages, 1)
         self.page_size, self.num_pages = page_size, num_pages
-        windows = {kw["sliding_window"] for kw in layer_kwargs if "sliding_window" in kw}
+        windows = {w for w in windows if w is not None}
         window = max(windows) if windows else None  # transformers builds one sliding mask per model
         if len(windows) > 1:
             raise ValueError(f"B12xCache: one sliding window per model; this one has {sorted(windows)}")
