@@ -165,6 +165,8 @@ def layer_windows(model) -> list[int | None]:
         check_types(cfg.layer_types)  # first: transformers' own reading of some types fails on some configs
     types, per_layer = get_layer_types_and_kwargs(cfg)
     check_types(types)
+    if isinstance(per_layer, dict):  # transformers before 5.24: one dict for all layers
+        per_layer = [per_layer] * len(types)
     windows = []
     for i, (kind, kw) in enumerate(zip(types, per_layer)):
         window = kw.get("sliding_window") if kind == "sliding_attention" else None
