@@ -38,6 +38,7 @@ def test_page_allocator():
     assert not set(other) & set(pages)
     a.free(pages)
     assert pages == [] and a.num_free == 3
+    assert a.peak_used == 5  # 3 + 2 pages held at once
     with pytest.raises(ValueError, match="not allocated"):
         a.free([other[0], other[0]])
     with pytest.raises(ValueError, match="num_pages"):

@@ -240,3 +240,27 @@ def test_engine_refuses_bidirectional():
     model = make_model("llama")
     model.model.layers[0].self_attn.is_causal = False
     _refused(model, r"LlamaAttention \(layer 0\) has is_causal False")
+
+
+# -- the serving benchmark's gpt-oss-shaped model -----------------------------------------------------------------
+def test_bench_serve_gpt_oss_tiny(tmp_path):
+    """`python -m b12x_inductor.bench serve --model gpt-oss` runs (its tiny CPU form, eagerly) and reports
+    throughput and the KV pool's peak use."""
+    import json
+
+    from b12x_inductor.bench import serve as bench
+
+    out = tmp_path / "serve.json"
+    bench.main(["--tiny", "--model", "gpt-oss", "--no-compile", "--requests", "3", "--num-draft", "2",
+                "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["meta"]["model"] == "gpt-oss"
+    rows = {r["system"]: r for r in result["rows"]}
+    assert set(rows) == {"b12x", "b12x+lookup"}
+    for row in rows.values():
+        assert row["throughput_tok_s"] > 0 and row["output_tokens"] > 0
+        assert 0 < row["kv_peak_gib"] <= row["kv_pool_gib"] and row["kv_peak_pages"] > 0
+    config = bench.gpt_oss_config("20b")  # the H200 model: gpt-oss-20b's attention shapes
+    assert (config.head_dim, config.num_attention_heads, config.num_key_value_heads, config.sliding_window) == (
+        64, 64, 8, 128)
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2

@@ -1,7 +1,10 @@
 """The serving loop against transformers' own batching: `python -m b12x_inductor.bench serve`.
 
-Model: a Llama-3.2-1B-shaped random-weight model in bf16 (16 layers, hidden 2048, 32 query / 8 KV heads of 64,
-vocab 128256), built in place (no download). Workload: 256 requests, all arriving at t = 0, prompts uniform in
+Model (--model): "llama", a Llama-3.2-1B-shaped random-weight model in bf16 (16 layers, hidden 2048, 32 query /
+8 KV heads of 64, vocab 128256), or "gpt-oss", gpt-oss-20b's shapes in 4 layers (64 query / 8 KV heads of 64,
+window 128 with attention sinks on alternate layers, 32 experts top 4, vocab 201088; only b12x runs by default:
+transformers offers gpt-oss eager attention only, which the static and generate_batch systems then use), both
+built in place (no download). Workload: 256 requests, all arriving at t = 0, prompts uniform in
 128-2048 tokens (random phrases from a small phrase book), outputs uniform in 128-512 tokens, no EOS (every
 request generates exactly its max_new_tokens). Systems, in one run, all greedy:
 
@@ -15,15 +18,18 @@ request generates exactly its max_new_tokens). Systems, in one run, all greedy:
 - b12x+lookup:    the same engine with --num-draft prompt-lookup drafts checked by the verify plan.
 
 Throughput: output tokens / wall time from the first request to the last token (warm-up and compilation
-excluded and reported apart). TTFT: arrival to first token; TPOT: (last - first token) / (tokens - 1), per
-request, p50 and p99. "same" compares each system's outputs with the static baseline's: identical requests /
+excluded and reported apart). KV memory of b12x (kv_pool_gib, kv_peak_gib): the engine's paged pool, and the
+most of it that requests held at once (peak pages x bytes per page over all layers; sliding-window layers hold
+pages for every position, as full layers do). TTFT: arrival to first token; TPOT: (last - first token) /
+(tokens - 1), per request, p50 and p99. "same" compares each system's outputs with the static baseline's: identical requests /
 requests with the same first token (bf16 near-ties can flip a token and everything after it).
 
 Prints a markdown table and writes JSON to --out; --merge A.json B.json prints one table from runs split by
 --systems (the "same" column needs one run). --quick: 64 requests, prompts 128-1024, outputs 64-256,
 one bucket per step kind (about three minutes on an H200). Buckets trade compile time (each is one
 Inductor compile and CUDA-graph capture) for padding: full compiles 8 (decode 32, 64, 128; verify the same;
-extend 512, 2048), quick 3. --tiny: a tiny fp32 model on CPU, to check the harness.
+extend 512, 2048), quick 3. --tiny: a tiny fp32 model (of --model's family) on CPU, to check the harness;
+--no-compile runs b12x eagerly (harness checks only).
 """
 
 from __future__ import annotations
@@ -39,7 +45,12 @@ import torch
 
 from b12x_inductor.serve import Engine, Request, ServeConfig
 from b12x_inductor.serve.engine import percentile
-from b12x_inductor.serve.workload import llama_config, random_model, synthetic_requests
+from b12x_inductor.serve.workload import gpt_oss_config, llama_config, random_model, synthetic_requests
+
+MODELS = {  # --model: (config builder, size of each preset, attention of the transformers baselines)
+    "llama": (llama_config, dict(full="1b", quick="1b", tiny="tiny"), "sdpa"),
+    "gpt-oss": (gpt_oss_config, dict(full="20b", quick="20b", tiny="tiny"), "eager"),
+}
 
 PRESETS = {
     "full": dict(size="1b", requests=256, prompt_lens=(128, 2048), output_lens=(128, 512), max_batch=128,
@@ -88,10 +99,10 @@ class _Clock:
         pass
 
 
-def run_static(model, requests, batch: int, device, max_cache_len: int) -> dict:
+def run_static(model, requests, batch: int, device, max_cache_len: int, attn: str = "sdpa") -> dict:
     from transformers import StaticCache
 
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(attn)
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
     pad = 0
 
@@ -131,14 +142,14 @@ def run_static(model, requests, batch: int, device, max_cache_len: int) -> dict:
     elapsed = time.perf_counter() - start
     del cache
     return _summary("static", outputs, ttft, tpot, elapsed, warmup_s,
-                    f"generate, StaticCache {max_cache_len}, SDPA, generate's auto-compile, batches of {batch}")
+                    f"generate, StaticCache {max_cache_len}, {attn}, generate's auto-compile, batches of {batch}")
 
 
-def run_generate_batch(model, requests, device) -> dict:
+def run_generate_batch(model, requests, device, attn: str = "sdpa") -> dict:
     from transformers import GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(attn)
     config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
                               max_new_tokens=max(r.max_new_tokens for r in requests))
     hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in requests),
@@ -168,15 +179,20 @@ def run_generate_batch(model, requests, device) -> dict:
             if len(stamps) > 1:
                 tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
     return _summary("generate_batch", outputs, ttft, tpot, elapsed, warmup_s,
-                    "transformers continuous batching, default config")
+                    f"transformers continuous batching, default config, {attn}")
 
 
-def run_b12x(model, requests, preset: dict, device, num_draft: int, engine=None) -> tuple[list[dict], Engine]:
+def kv_bytes_per_page(engine: Engine) -> int:
+    """Bytes of one page id across the engine's pool: keys and values of every layer."""
+    return sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in engine.runner.kv)
+
+
+def run_b12x(model, requests, preset: dict, device, num_draft: int, compile: bool = True) -> tuple[list[dict], Engine]:
     max_len = preset["prompt_lens"][1] + preset["output_lens"][1]
     config = ServeConfig(
         num_pages=preset["max_batch"] * -(-max_len // 16) + 1, page_size=16, max_batch=preset["max_batch"],
         token_budget=preset["token_budget"], max_model_len=max_len, num_draft=num_draft,
-        decode_buckets=preset["decode_buckets"], extend_buckets=preset["extend_buckets"])
+        decode_buckets=preset["decode_buckets"], extend_buckets=preset["extend_buckets"], compile=compile)
     t = time.perf_counter()
     engine = Engine(model, config)
     engine.warmup()
@@ -193,7 +209,11 @@ def run_b12x(model, requests, preset: dict, device, num_draft: int, engine=None)
                  f"{report.steps} steps, {report.preemptions} preemptions")
         if draft:
             notes += f", {draft} drafts, acceptance {report.draft_acceptance:.2f}"
-        rows.append(_summary(name, [r.output for r in reqs], ttft, tpot, report.elapsed_s, warmup_s, notes))
+        page_bytes = kv_bytes_per_page(engine)
+        kv_pool, kv_peak = config.num_pages * page_bytes / 2**30, engine.pages.peak_used * page_bytes / 2**30
+        notes += f", KV peak {kv_peak:.3g} of {kv_pool:.3g} GiB pool"
+        rows.append(dict(_summary(name, [r.output for r in reqs], ttft, tpot, report.elapsed_s, warmup_s, notes),
+                         kv_pool_gib=kv_pool, kv_peak_gib=kv_peak, kv_peak_pages=engine.pages.peak_used))
     return rows, engine
 
 
@@ -228,10 +248,12 @@ def main(argv) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="64 requests, fewer buckets (~3 min on an H200)")
     mode.add_argument("--tiny", action="store_true", help="a tiny fp32 model on CPU: checks the harness")
+    p.add_argument("--model", choices=sorted(MODELS), default="llama", help="the random-weight model (default llama)")
+    p.add_argument("--no-compile", action="store_true", help="run b12x eagerly (checks the harness only)")
     p.add_argument("--requests", type=int)
     p.add_argument("--num-draft", type=int, default=4, help="prompt-lookup drafts of b12x+lookup (0: skip it)")
-    p.add_argument("--systems", default="static,generate_batch,b12x",
-                   help="comma-separated: static, generate_batch, b12x (b12x includes b12x+lookup)")
+    p.add_argument("--systems", help="comma-separated: static, generate_batch, b12x (b12x includes b12x+lookup); "
+                   "default: all three for llama, b12x for gpt-oss")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="print one table from runs split by --systems")
@@ -244,26 +266,29 @@ def main(argv) -> None:
         print(table(rows))
         return
 
-    preset = dict(PRESETS["tiny" if args.tiny else "quick" if args.quick else "full"])
+    name = "tiny" if args.tiny else "quick" if args.quick else "full"
+    preset = dict(PRESETS[name])
+    build_config, sizes, attn = MODELS[args.model]
+    preset["size"] = sizes[name]
     if args.requests:
         preset["requests"] = args.requests
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    config = llama_config(preset["size"])
+    config = build_config(preset["size"])
     model = random_model(config, dtype=dtype, device=device, seed=args.seed)
     model.generation_config.eos_token_id = None
     requests = synthetic_requests(preset["requests"], prompt_lens=preset["prompt_lens"],
                                   output_lens=preset["output_lens"], vocab=config.vocab_size, seed=args.seed)
-    systems = args.systems.split(",")
+    systems = (args.systems or ("b12x" if args.model == "gpt-oss" else "static,generate_batch,b12x")).split(",")
     log(f"{len(requests)} requests, {sum(len(r.prompt) for r in requests)} prompt tokens, "
-        f"{sum(r.max_new_tokens for r in requests)} output tokens; {preset['size']} Llama, {dtype}, {device}")
+        f"{sum(r.max_new_tokens for r in requests)} output tokens; {preset['size']} {args.model}, {dtype}, {device}")
 
     rows = []
     runners = {
         "static": lambda: [run_static(model, requests, preset["static_batch"], device,
-                                      preset["prompt_lens"][1] + preset["output_lens"][1])],
-        "generate_batch": lambda: [run_generate_batch(model, requests, device)],
-        "b12x": lambda: run_b12x(model, requests, preset, device, args.num_draft)[0],
+                                      preset["prompt_lens"][1] + preset["output_lens"][1], attn)],
+        "generate_batch": lambda: [run_generate_batch(model, requests, device, attn)],
+        "b12x": lambda: run_b12x(model, requests, preset, device, args.num_draft, not args.no_compile)[0],
     }
     for name in systems:  # b12x last: it switches the model's attention implementation
         if name not in runners:
@@ -287,7 +312,7 @@ def main(argv) -> None:
     if args.out:
         meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), torch=torch.__version__,
                     device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-                    preset=preset, num_draft=args.num_draft)
+                    preset=preset, model=args.model, num_draft=args.num_draft)
         try:
             import transformers
 

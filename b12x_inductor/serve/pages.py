@@ -22,6 +22,7 @@ class PageAllocator:
         self.page_size = page_size
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self._used = set()
+        self.peak_used = 0  # the most pages allocated at once since construction
 
     @property
     def num_free(self) -> int:
@@ -39,6 +40,7 @@ class PageAllocator:
             return None
         pages = [self._free.pop() for _ in range(n)]
         self._used.update(pages)
+        self.peak_used = max(self.peak_used, len(self._used))
         return pages
 
     def grow(self, pages: list[int], num_tokens: int) -> bool:

@@ -30,14 +30,44 @@ def llama_config(size: str = "tiny", **overrides):
     return LlamaConfig(**kw)
 
 
+def gpt_oss_config(size: str = "tiny", **overrides):
+    """A transformers GptOssConfig, layers alternating sliding-window (with attention sinks, as every gpt-oss
+    layer has) and full attention: "tiny" (2 layers, hidden 128, 4 / 2 heads of 64, window 16, 4 experts
+    top 2, vocab 512: CPU) or "20b" (gpt-oss-20b's shapes in 4 of its 24 layers: hidden 2880, 64 query / 8 KV
+    heads of 64, window 128, 32 experts top 4, vocab 201088)."""
+    from transformers import GptOssConfig
+
+    shapes = {
+        "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=16,
+                     num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=4096),
+        "20b": dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=4,
+                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
+                    num_local_experts=32, num_experts_per_tok=4),
+    }
+    if size not in shapes:
+        raise ValueError(f"gpt_oss_config: size must be one of {sorted(shapes)}; got {size!r}")
+    kw = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    kw.update(shapes[size])
+    kw.update(overrides)
+    kw.setdefault("layer_types", ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                  for i in range(kw["num_hidden_layers"])])
+    return GptOssConfig(**kw)
+
+
 def random_model(config, *, dtype=None, device="cpu", seed: int = 0):
-    """A randomly initialised causal LM for `config`, in eval mode."""
+    """A randomly initialised causal LM for `config`, in eval mode; attention sinks (gpt-oss) are drawn from
+    N(0, 1), so that they change the attention's output."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device):  # initialise in place: a 1B model on a GPU in a second, not on the CPU
         model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.Tensor):
+                module.sinks.normal_(0.0, 1.0)
     return model.eval()
 
 
