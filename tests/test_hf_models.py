@@ -269,6 +269,19 @@ def test_attention_arguments_are_honored_or_refused(monkeypatch):
         hf.register()
 
 
+def test_sinks_not_passed_are_refused(monkeypatch):
+    """A layer holding attention sinks that does not hand them to attention is refused, not run without."""
+    from b12x_inductor.integrations import hf_attention
+
+    real = hf_attention.b12x_attention
+    transformers.AttentionInterface.register("b12x", lambda *a, s_aux=None, **kw: real(*a, **kw))
+    try:
+        with pytest.raises(ValueError, match=r"attention sinks \(module.sinks\) but passed no s_aux"):
+            generate(make_model("gpt_oss"), "b12x", *prompts(1, seed=1), cache_implementation="static", new=2)
+    finally:
+        hf.register()
+
+
 def test_window_mask_for_a_full_layer_is_refused():
     """A layer whose sliding_window disagrees with its mask (a model passing the wrong mask) is refused."""
     model = make_model("gpt_oss")

@@ -275,6 +275,9 @@ def b12x_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     if window != sliding_window:
         raise _unsupported(f"layer {getattr(module, 'layer_idx', '?')} has sliding_window={sliding_window} but its "
                            f"mask is for {'causal attention' if window is None else f'a window of {window}'}")
+    if s_aux is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        raise _unsupported(f"layer {getattr(module, 'layer_idx', '?')} has attention sinks (module.sinks) but "
+                           "passed no s_aux")
     q = query.transpose(1, 2)  # [B, S, Hq, D], D contiguous
     kv_start, seqlens, page_table = unpack_metadata(attention_mask, batch)
     sinks = None if s_aux is None else s_aux.float()

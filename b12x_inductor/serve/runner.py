@@ -132,7 +132,7 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
 def layer_windows(model) -> list[int | None]:
     """Per decoder layer, its sliding window (None: full attention), from the model's config; ValueError for
     what the engine cannot serve, with what to use instead."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
+    from b12x_inductor.integrations.hf_cache import layer_windows as config_layer_windows
 
     cfg = model.config.get_text_config(decoder=True)
     name = type(cfg).__name__
@@ -163,17 +163,12 @@ def layer_windows(model) -> list[int | None]:
 
     if getattr(cfg, "layer_types", None) is not None:
         check_types(cfg.layer_types)  # first: transformers' own reading of some types fails on some configs
-    types, per_layer = get_layer_types_and_kwargs(cfg)
+    types, windows = config_layer_windows(cfg)
     check_types(types)
-    if isinstance(per_layer, dict):  # transformers before 5.24: one dict for all layers
-        per_layer = [per_layer] * len(types)
-    windows = []
-    for i, (kind, kw) in enumerate(zip(types, per_layer)):
-        window = kw.get("sliding_window") if kind == "sliding_attention" else None
+    for i, (kind, window) in enumerate(zip(types, windows)):
         if kind == "sliding_attention" and not (isinstance(window, int) and window >= 1):
             raise ValueError(f"ModelRunner: layer {i} of {name} is a sliding_attention layer; its sliding_window "
                              f"must be an int >= 1; got {window!r}")
-        windows.append(window)
     for module in model.get_decoder().modules():
         if hasattr(module, "layer_idx") and getattr(module, "is_causal", True) is False:
             raise ValueError(f"ModelRunner: {type(module).__name__} (layer {module.layer_idx}) has is_causal "
