@@ -2,7 +2,7 @@
 
 Suites (one module each in this package):
 - kernels (default): decode / verify / extend against FlashInfer, SDPA and FlexAttention
-- hf: transformers static-cache generate() with b12x against SDPA
+- hf: transformers static-cache generate() with b12x against SDPA or eager (Llama, gpt-oss and Gemma 3 shapes)
 - gptfast: a gpt-fast-style decode loop with and without automatic substitution
 - serve: the serving loop against transformers' own batching
 """
