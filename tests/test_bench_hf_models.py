@@ -1,5 +1,6 @@
 """`python -m b12x_inductor.bench hf --model gpt-oss|gemma3`: the harness on CPU (`--tiny`), its options, the
-merged tables of several models, and the eager peer's chunked prefill (transformers' eager, in query chunks)."""
+merged tables of several models, the eager peer's chunked prefill (transformers' eager, in query chunks) and the
+counter of CUDA graph recordings."""
 
 from __future__ import annotations
 
@@ -100,21 +101,24 @@ def test_chunked_eager_splits_queries_and_mask_rows(monkeypatch):
     assert calls == [(1, None)]
 
 
-@pytest.mark.parametrize("model,peer", [("gpt-oss", "eager"), ("gemma3", "sdpa")])
-def test_tiny_run_through_main(model, peer, tmp_path, capsys):
+@pytest.mark.parametrize("model,peer,paged", [("gpt-oss", "eager", True), ("gemma3", "sdpa", False)])
+def test_tiny_run_through_main(model, peer, paged, tmp_path, capsys):
     """`--tiny --model gpt-oss|gemma3` on CPU: every column runs compiled generate on a tiny model with window
     layers shorter than the prompt; the table names the peer; the JSON keeps the rows' model and config."""
     out = tmp_path / "hf.json"
-    bench.main(["--tiny", "--model", model, "--out", str(out)])
+    bench.main(["--tiny", "--model", model, "--out", str(out)] + (["--paged"] if paged else []))
     result = json.loads(out.read_text())
     lines = result["markdown"].splitlines()
-    assert lines[0] == f"| batch | prompt | live max / cache | {peer} tok/s | b12x tok/s | b12x / {peer} |", lines
+    impls = [peer, "b12x"] + (["b12x-paged"] if paged else [])
+    assert lines[0] == ("| batch | prompt | live max / cache | " + " | ".join(f"{i} tok/s" for i in impls) + " | "
+                        + " | ".join(f"{i} / {peer}" for i in impls[1:]) + " |"), lines
     assert lines[2].startswith("| 2 | 24 | 28 / 64 | ") and lines[2].endswith("x |"), lines
     assert bench.MODELS[model].title in lines[-1]
     assert lines[0] in capsys.readouterr().out
-    assert result["impls"] == [peer, "b12x"] and result["model_name"] == model and result["peer"] == peer
+    assert result["impls"] == impls and result["model_name"] == model and result["peer"] == peer
     (row,) = result["rows"]
-    assert row["model"] == model and row["b12x_speedup"] > 0 and row[peer]["tokens_per_s"] > 0
+    assert row["model"] == model and row[peer]["tokens_per_s"] > 0
+    assert all(row[f"{i}_speedup"] > 0 for i in impls[1:])
     assert result["model"] == {"tiny": bench.MODELS[model].tiny}
 
 
@@ -148,3 +152,22 @@ def test_merge_runs_of_one_and_of_several_models(tmp_path):
     with pytest.raises(SystemExit, match="gpt-oss with different implementations"):
         bench.merge([_result(tmp_path, "a.json", "gpt-oss", "eager", 8, 1.0, 2.0),
                      _result(tmp_path, "b.json", "gpt-oss", "sdpa", 8, 1.0, 2.0)])
+
+
+def test_cudagraph_counter_counts_and_restores(monkeypatch):
+    """The counter wraps CUDA graph trees' record_function / run_eager while active and restores them after
+    (here around stand-ins, as this machine has no CUDA); off CUDA it counts nothing (None)."""
+    from torch._inductor.cudagraph_trees import CUDAGraphTreeManager as manager
+
+    monkeypatch.setattr(manager, "record_function", lambda self, inputs, fid: ("recorded", fid))
+    monkeypatch.setattr(manager, "run_eager", lambda self, inputs, fid: ("eager", fid))
+    stand_ins = manager.record_function, manager.run_eager
+    with bench.CudagraphCounter(torch.device("cuda")) as counter:
+        assert manager.record_function(None, [], 7) == ("recorded", 7)
+        manager.run_eager(None, [], 1)
+        manager.run_eager(None, [], 2)
+    assert (counter.records, counter.warmups) == (1, 2)
+    assert (manager.record_function, manager.run_eager) == stand_ins
+    with bench.CudagraphCounter(torch.device("cpu")) as cpu:
+        pass
+    assert (cpu.records, cpu.warmups) == (None, None)
