@@ -71,13 +71,22 @@ def _next_token(seq: list[int]) -> int:
 
 class FakeRunner:
     """Runs steps like ModelRunner but in Python: keeps what each KV slot holds and checks that every token
-    reads its own request's tokens at every earlier position (page tables, recompute, no sharing)."""
+    reads its own request's tokens at every earlier position (page tables, recompute, no sharing); with a
+    window pool (`window`), also that every token reads its own request's tokens at every position inside its
+    window there, through pages the request holds (freed columns are never read)."""
 
-    def __init__(self, config: ServeConfig):
-        self.config, self.slots, self.steps = config, {}, []
+    def __init__(self, config: ServeConfig, full: bool = True, window: int | None = None):
+        self.config, self.slots, self.wslots, self.steps = config, {}, {}, []
+        self.full, self.window = full, window
 
     def run(self, step):
-        ps = self.config.page_size
+        ps, win = self.config.page_size, self.window
+
+        def wslot(r, p):
+            col = p // ps - r.window_base
+            assert 0 <= col < len(r.window_pages), (r.id, p, r.window_base, len(r.window_pages))
+            return r.window_pages[col] * ps + p % ps
+
         assert len(step.work) <= self.config.max_batch
         assert step.kind != "extend" or step.num_tokens <= self.config.token_budget
         out = []
@@ -88,9 +97,14 @@ class FakeRunner:
             assert list(w.tokens[:real]) == r.tokens[w.start:w.start + real]  # drafts only at the end
             for i in range(len(w.tokens)):
                 pos = w.start + i
-                self.slots[r.pages[pos // ps] * ps + pos % ps] = (r.id, pos, seq[pos])
-                for p in range(pos + 1):
-                    assert self.slots[r.pages[p // ps] * ps + p % ps] == (r.id, p, seq[p])
+                if self.full:
+                    self.slots[r.pages[pos // ps] * ps + pos % ps] = (r.id, pos, seq[pos])
+                    for p in range(pos + 1):
+                        assert self.slots[r.pages[p // ps] * ps + p % ps] == (r.id, p, seq[p])
+                if win is not None:
+                    self.wslots[wslot(r, pos)] = (r.id, pos, seq[pos])
+                    for p in range(max(0, pos - win + 1), pos + 1):
+                        assert self.wslots[wslot(r, p)] == (r.id, p, seq[p])
             preds = [_next_token(seq[:w.start + i + 1]) for i in range(len(w.tokens))]
             out.append(preds if step.kind == "verify" else preds[-1:])
         self.steps.append(step.kind)
@@ -136,6 +150,49 @@ def test_scheduler(num_draft, num_pages):
     assert (sched.num_preemptions > 0) == (num_pages == 12)
 
 
+@pytest.mark.parametrize("full", [True, False])  # a window pool beside the full pool, or alone (Mistral)
+@pytest.mark.parametrize("num_draft", [0, 3])
+@pytest.mark.parametrize("window_num_pages", [None, 8])  # the default (no preemption), or one that runs dry
+def test_scheduler_window_pool(full, num_draft, window_num_pages):
+    """Window pages recycled: outputs unchanged, every token reads its window through pages its request holds,
+    a request holds at most ceil((window - 1 + its step's tokens) / page_size) + 1 window pages while its
+    sequence grows far past the window, both pools return to empty, and a window pool that runs dry preempts
+    (while the full pool has room) without changing outputs."""
+    window = 6
+    config = ServeConfig(num_pages=64, page_size=4, max_batch=4, token_budget=16, max_model_len=64,
+                         num_draft=num_draft, window_num_pages=window_num_pages)
+    pages = PageAllocator(config.num_pages, config.page_size) if full else None
+    wpages = PageAllocator(config.window_pool_pages(window), config.page_size)
+    sched, runner = Scheduler(config, pages, wpages, window), FakeRunner(config, full=full, window=window)
+    rng = random.Random(7 + num_draft)
+    pending = [Request(prompt=[rng.randrange(13) for _ in range(rng.randint(1, 30))],
+                       max_new_tokens=rng.randint(10, 30)) for _ in range(12)]
+    requests, step, most = list(pending), 0, 0
+    per_request = -(-(window - 1 + config.token_budget) // config.page_size) + 1
+    while pending or not sched.idle:
+        if pending and (step % 3 == 0 or sched.idle):
+            sched.add(pending.pop(0))
+        s = sched.schedule()
+        if s is not None:
+            for w in s.work:
+                assert len(w.request.window_pages) <= -(-(window - 1 + len(w.tokens)) // config.page_size) + 1
+                most = max(most, len(w.request.window_pages))
+            sched.update(s, runner.run(s))
+        for r in sched.running:
+            assert len(r.window_pages) <= per_request
+        step += 1
+        assert step < 2000
+    for r in requests:
+        assert r.finished and r.output == _reference(r), r.id
+    assert wpages.num_free == wpages.num_pages and (pages is None or pages.num_free == config.num_pages)
+    assert max(len(r.tokens) for r in requests) > 4 * window and most <= per_request
+    assert wpages.peak_used < sum(-(-len(r.tokens) // 4) for r in requests[:4])  # less than the full pool needs
+    if full:
+        assert pages.peak_used > wpages.peak_used
+    assert (sched.num_preemptions > 0) == (window_num_pages == 8)
+    assert ("verify" in runner.steps) == bool(num_draft)
+
+
 def test_request_and_config_errors():
     with pytest.raises(ValueError, match="max_new_tokens"):
         Request(prompt=[1], max_new_tokens=0)
@@ -152,6 +209,17 @@ def test_request_and_config_errors():
         sched.add(Request(prompt=[1] * 30, max_new_tokens=3))
     with pytest.raises(ValueError, match="pages"):
         sched.add(Request(prompt=[1] * 10, max_new_tokens=10))
+    with pytest.raises(ValueError, match="window_num_pages"):
+        ServeConfig(window_num_pages=0)
+    # window 6 with a token budget of 16 needs up to ceil(21 / 4) + 1 = 7 window pages in one step
+    config = ServeConfig(max_model_len=64, page_size=4, max_batch=4, token_budget=16)
+    assert config.window_pages_per_request(6) == 7
+    sched = Scheduler(config, None, PageAllocator(6, 4), 6)
+    sched.add(Request(prompt=[1] * 10, max_new_tokens=10))  # 20 positions: 5 pages will do
+    with pytest.raises(ValueError, match="needs 7 window pages"):
+        sched.add(Request(prompt=[1] * 30, max_new_tokens=10))
+    with pytest.raises(ValueError, match="needs a page pool"):
+        Scheduler(config, None)
 
 
 # -- the compiled engine against transformers -----------------------------------------------------------------
@@ -204,7 +272,7 @@ def _check(engine, ref, requests, eos=None):
         if eos is not None and eos in expected:
             expected = expected[: expected.index(eos) + 1]
         assert r.finished and r.output == expected, (r.id, r.prompt[:8], r.output, expected, r.num_preempted)
-    assert engine.pages.num_free == engine.config.num_pages  # every page back on the free list
+    assert engine.pools_free  # every page of every pool back on its free list
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled while serving
     assert not torch._dynamo.utils.counters["graph_break"]
 

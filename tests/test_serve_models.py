@@ -89,13 +89,73 @@ def test_served_tokens_equal_eager_generate(arch):
         assert r.finished and r.output == expected[tuple(r.prompt)], (arch, r.id, r.output, expected[tuple(r.prompt)])
     assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled while serving
     assert not counters["graph_break"]
-    assert engine.pages.num_free == engine.config.num_pages
+    assert engine.pools_free
     # the workload exercised what it claims: chunked prefill, prefill chunks beside decodes, verify with drafts
     extend = [work for kind, work in steps if kind == "extend"]
     assert any(not sample for work in extend for _, _, sample, _ in work)  # a chunk short of its prompt's end
     assert any(n == 1 for work in extend for _, n, _, _ in work)  # a decode inside an extend step
     assert any(kind == "verify" and any(d for *_, d in work) for kind, work in steps)
     assert report.draft_acceptance > 0  # accepted drafts: verify rows past the first are used
+
+
+_LONG = [(40, 20), (6, 50), (23, 30), (14, 40)]  # sequences of 53..60 positions: 7x the window
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "mistral"])  # window and full pools; a window pool alone
+def test_window_pages_recycled(arch):
+    """Window layers' pages that fall out of the window go back to their pool: with a window pool of 11 pages
+    (what one request's 32-token chunk and its window need) four requests that grow to 7x the window are
+    served, compiled, with tokens equal to eager generate and nothing recompiled; each request holds at most
+    ceil((window - 1 + step tokens) / page_size) + 1 window pages."""
+    from torch._dynamo.utils import counters
+
+    model = make_model(arch)
+    g = torch.Generator().manual_seed(3)
+    requests = [Request(prompt=torch.randint(1, 256, (n,), generator=g).tolist(), max_new_tokens=m)  # no pad id 0
+                for n, m in _LONG]
+    expected = _eager_reference(model, requests)
+    config = ServeConfig(**{**_CONFIG, "num_pages": 48}, window_num_pages=11)
+    assert config.window_pages_per_request(WINDOW) == 11
+    engine = Engine(model, config)
+    assert engine.runner.pools == (("full", "window") if arch == "gpt_oss" else ("window",))
+    assert engine.runner.kv[0][0].shape[0] == 11 and (arch == "mistral") == (engine.pages is None)
+    counters.clear()
+    engine.warmup()
+    graphs = counters["stats"]["unique_graphs"]
+    held, run = [], engine.runner.run
+
+    def checking(step):
+        for w in step.work:
+            r = w.request
+            assert len(r.window_pages) <= -(-(WINDOW - 1 + len(w.tokens)) // 4) + 1, (r.id, w.start)
+            held.append((r.window_base, len(r.window_pages)))
+        return run(step)
+
+    engine.runner.run = checking
+    report = engine.serve(requests)
+    for r in requests:
+        assert r.finished and r.output == expected[tuple(r.prompt)], (arch, r.id, r.output, expected[tuple(r.prompt)])
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    assert engine.pools_free and report.output_tokens == sum(m for _, m in _LONG)
+    assert all(-(-len(r.tokens) // 4) > 11 for r in requests)  # unrecycled, 11 pages would not hold one of them
+    assert max(base for base, _ in held) >= 10  # columns freed while sequences grew
+    assert engine.window_pages.peak_used <= 11
+    if engine.pages is not None:
+        assert engine.pages.peak_used > 2 * engine.window_pages.peak_used
+
+
+def test_window_pages_not_recycled_when_off():
+    """recycle_window_pages=False: one pool for every layer (the layout of a model without windows), tokens
+    still equal eager generate's."""
+    model = make_model("gemma3_text")
+    requests = _requests()[:3]
+    expected = _eager_reference(model, requests)
+    engine = Engine(model, ServeConfig(**_CONFIG, compile=False, recycle_window_pages=False))
+    assert engine.runner.pools == ("full",) and engine.window_pages is None and engine.runner.window is None
+    engine.serve(requests)
+    for r in requests:
+        assert r.output == expected[tuple(r.prompt)] and r.window_pages == []
+    assert engine.pools_free
 
 
 # What each arch's models would lose if the engine dropped one attention feature: (arch, feature, the
@@ -245,7 +305,7 @@ def test_engine_refuses_bidirectional():
 # -- the serving benchmark's gpt-oss-shaped model -----------------------------------------------------------------
 def test_bench_serve_gpt_oss_tiny(tmp_path):
     """`python -m b12x_inductor.bench serve --model gpt-oss` runs (its tiny CPU form, eagerly) and reports
-    throughput and the KV pool's peak use."""
+    throughput and the KV pools' peak use, with window pages recycled and without."""
     import json
 
     from b12x_inductor.bench import serve as bench
@@ -256,10 +316,17 @@ def test_bench_serve_gpt_oss_tiny(tmp_path):
     result = json.loads(out.read_text())
     assert result["meta"]["model"] == "gpt-oss"
     rows = {r["system"]: r for r in result["rows"]}
-    assert set(rows) == {"b12x", "b12x+lookup"}
+    assert set(rows) == {"b12x", "b12x+lookup", "b12x-keep-window"}
     for row in rows.values():
         assert row["throughput_tok_s"] > 0 and row["output_tokens"] > 0
         assert 0 < row["kv_peak_gib"] <= row["kv_pool_gib"] and row["kv_peak_pages"] > 0
+    kept = rows["b12x-keep-window"]
+    assert not kept["recycle_window_pages"] and kept["kv_peak_window_pages"] == 0
+    assert "100% of outputs equal b12x's" in kept["notes"]
+    for name in ("b12x", "b12x+lookup"):  # recycled: a window pool of its own, fewer window pages held
+        assert rows[name]["recycle_window_pages"]
+        assert 0 < rows[name]["kv_peak_window_pages"] < rows[name]["kv_peak_pages"]
+        assert rows[name]["kv_pool_gib"] <= kept["kv_pool_gib"] and rows[name]["kv_peak_gib"] < kept["kv_peak_gib"]
     config = bench.gpt_oss_config("20b")  # the H200 model: gpt-oss-20b's attention shapes
     assert (config.head_dim, config.num_attention_heads, config.num_key_value_heads, config.sliding_window) == (
         64, 64, 8, 128)

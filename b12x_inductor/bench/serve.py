@@ -16,11 +16,17 @@ request generates exactly its max_new_tokens). Systems, in one run, all greedy:
 - b12x:           this package's serving loop (`b12x_inductor.serve`): paged KV, chunked prefill, decode in
                   CUDA graphs per bucket, no speculation.
 - b12x+lookup:    the same engine with --num-draft prompt-lookup drafts checked by the verify plan.
+- b12x-keep-window: (models with sliding-window layers: gpt-oss) b12x with recycle_window_pages=False: the
+                  window layers keep a page for every position in the one pool of all layers, as before
+                  window pages were recycled.
 
 Throughput: output tokens / wall time from the first request to the last token (warm-up and compilation
-excluded and reported apart). KV memory of b12x (kv_pool_gib, kv_peak_gib): the engine's paged pool, and the
-most of it that requests held at once (peak pages x bytes per page over all layers; sliding-window layers hold
-pages for every position, as full layers do). TTFT: arrival to first token; TPOT: (last - first token) /
+excluded and reported apart). KV memory of b12x (kv_pool_gib, kv_peak_gib): the engine's paged pools, and the
+most of them that requests held at once (per pool, peak pages x bytes per page over its layers, summed;
+kv_peak_pages and kv_peak_window_pages: the peaks of the full and the window pool). With window pages recycled
+(b12x, b12x+lookup) the window layers have a pool of their own (ServeConfig.default_window_pages pages) from
+which a request holds only the pages its window still sees; b12x-keep-window holds every position's page in
+every layer. TTFT: arrival to first token; TPOT: (last - first token) /
 (tokens - 1), per request, p50 and p99. "same" compares each system's outputs with the static baseline's: identical requests /
 requests with the same first token (bf16 near-ties can flip a token and everything after it).
 
@@ -182,39 +188,75 @@ def run_generate_batch(model, requests, device, attn: str = "sdpa") -> dict:
                     f"transformers continuous batching, default config, {attn}")
 
 
-def kv_bytes_per_page(engine: Engine) -> int:
-    """Bytes of one page id across the engine's pool: keys and values of every layer."""
-    return sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in engine.runner.kv)
+def kv_bytes_per_page(engine: Engine, pool: str = "full") -> int:
+    """Bytes of one page id across one of the engine's pools: keys and values of each layer in that pool."""
+    runner = engine.runner
+    return sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
+               for (k, v), p in zip(runner.kv, runner.layer_pool) if p == pool)
 
 
-def run_b12x(model, requests, preset: dict, device, num_draft: int, compile: bool = True) -> tuple[list[dict], Engine]:
+def kv_gib(engine: Engine) -> tuple[float, float]:
+    """(pool, peak) GiB over the engine's pools."""
+    pool = peak = 0
+    for name, alloc in (("full", engine.pages), ("window", engine.window_pages)):
+        if alloc is not None:
+            pool += alloc.num_pages * kv_bytes_per_page(engine, name)
+            peak += alloc.peak_used * kv_bytes_per_page(engine, name)
+    return pool / 2**30, peak / 2**30
+
+
+def run_b12x(model, requests, preset: dict, device, num_draft: int, compile: bool = True,
+             recycle: bool = True) -> tuple[list[dict], Engine]:
     max_len = preset["prompt_lens"][1] + preset["output_lens"][1]
     config = ServeConfig(
         num_pages=preset["max_batch"] * -(-max_len // 16) + 1, page_size=16, max_batch=preset["max_batch"],
         token_budget=preset["token_budget"], max_model_len=max_len, num_draft=num_draft,
-        decode_buckets=preset["decode_buckets"], extend_buckets=preset["extend_buckets"], compile=compile)
+        decode_buckets=preset["decode_buckets"], extend_buckets=preset["extend_buckets"], compile=compile,
+        recycle_window_pages=recycle)
     t = time.perf_counter()
     engine = Engine(model, config)
     engine.warmup()
     warmup_s = time.perf_counter() - t
     rows = []
-    for name, draft in (("b12x", 0), ("b12x+lookup", num_draft)) if num_draft else (("b12x", 0),):
+    runs = (("b12x", 0), ("b12x+lookup", num_draft)) if num_draft else (("b12x", 0),)
+    if not recycle:
+        runs = (("b12x-keep-window", 0),)
+    for name, draft in runs:
         engine.reset(num_draft=draft)
         reqs = [Request(prompt=r.prompt, max_new_tokens=r.max_new_tokens, arrival=r.arrival) for r in requests]
         report = engine.serve(reqs)
-        assert engine.pages.num_free == config.num_pages, "pages leaked"
+        assert engine.pools_free, "pages leaked"
         ttft = [r.first_token_time - r.arrival for r in reqs]
         tpot = [(r.finish_time - r.first_token_time) / (len(r.output) - 1) for r in reqs if len(r.output) > 1]
         notes = (f"max_batch {config.max_batch}, budget {config.token_budget}, {len(engine.runner.buckets)} buckets, "
                  f"{report.steps} steps, {report.preemptions} preemptions")
         if draft:
             notes += f", {draft} drafts, acceptance {report.draft_acceptance:.2f}"
-        page_bytes = kv_bytes_per_page(engine)
-        kv_pool, kv_peak = config.num_pages * page_bytes / 2**30, engine.pages.peak_used * page_bytes / 2**30
+        kv_pool, kv_peak = kv_gib(engine)
+        full = engine.pages.peak_used if engine.pages is not None else 0
+        window = engine.window_pages.peak_used if engine.window_pages is not None else 0
         notes += f", KV peak {kv_peak:.3g} of {kv_pool:.3g} GiB pool"
+        if engine.window_pages is not None:
+            notes += (f" (peak pages: {full} full of {engine.pages.num_pages if engine.pages else 0}, {window} "
+                      f"window of {engine.window_pages.num_pages})")
         rows.append(dict(_summary(name, [r.output for r in reqs], ttft, tpot, report.elapsed_s, warmup_s, notes),
-                         kv_pool_gib=kv_pool, kv_peak_gib=kv_peak, kv_peak_pages=engine.pages.peak_used))
+                         kv_pool_gib=kv_pool, kv_peak_gib=kv_peak, kv_peak_pages=full,
+                         kv_peak_window_pages=window, recycle_window_pages=recycle))
     return rows, engine
+
+
+def run_b12x_both(model, requests, preset: dict, device, num_draft: int, compile: bool = True) -> list[dict]:
+    """b12x (and b12x+lookup) with window pages recycled; for a model with sliding-window layers, then
+    b12x-keep-window (a second engine, compiled anew: its pool layout differs)."""
+    rows, engine = run_b12x(model, requests, preset, device, num_draft, compile)
+    if engine.runner.window is None:
+        return rows
+    del engine
+    _free(device)
+    kept = run_b12x(model, requests, preset, device, 0, compile, recycle=False)[0]
+    same = sum(a == b for a, b in zip(kept[0]["outputs"], rows[0]["outputs"])) / len(requests)
+    kept[0]["notes"] += f", {same:.0%} of outputs equal b12x's"
+    return rows + kept
 
 
 def _agreement(rows: list[dict], ref: dict | None) -> None:
@@ -288,7 +330,7 @@ def main(argv) -> None:
         "static": lambda: [run_static(model, requests, preset["static_batch"], device,
                                       preset["prompt_lens"][1] + preset["output_lens"][1], attn)],
         "generate_batch": lambda: [run_generate_batch(model, requests, device, attn)],
-        "b12x": lambda: run_b12x(model, requests, preset, device, args.num_draft, not args.no_compile)[0],
+        "b12x": lambda: run_b12x_both(model, requests, preset, device, args.num_draft, not args.no_compile),
     }
     for name in systems:  # b12x last: it switches the model's attention implementation
         if name not in runners:

@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         print(json.dumps(dict(report.to_dict(), warmup_s=warmup_s, model=what, config=_config_dict(c)), indent=2))
     else:
         print(report.format())
-    leaked = c.num_pages - engine.pages.num_free
+    leaked = sum(a.num_pages - a.num_free for a in (engine.pages, engine.window_pages) if a is not None)
     if leaked:
         print(f"error: {leaked} pages still allocated", file=sys.stderr)
         return 1

@@ -39,11 +39,15 @@ class ServeConfig:
     extend_buckets: tuple[int, ...] | None = None
     compile: bool = True  # torch.compile(fullgraph=True) per bucket; False runs eagerly (debugging)
     cuda_graphs: bool = True  # mode="reduce-overhead" on CUDA
+    recycle_window_pages: bool = True  # window layers in a pool of their own, out-of-window pages freed
+    window_num_pages: int | None = None  # the window pool's pages (None: default_window_pages)
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_batch", "token_budget", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeConfig: {name} must be >= 1; got {getattr(self, name)}")
+        if self.window_num_pages is not None and self.window_num_pages < 1:
+            raise ValueError(f"ServeConfig: window_num_pages must be >= 1 or None; got {self.window_num_pages}")
         if self.token_budget < self.max_batch:
             raise ValueError(f"ServeConfig: token_budget must be >= max_batch ({self.max_batch}); "
                              f"got {self.token_budget}")
@@ -68,3 +72,20 @@ class ServeConfig:
     def max_pages(self) -> int:
         """Page-table columns: a request's positions plus the padding of a verify step."""
         return -(-(self.max_model_len + self.num_draft) // self.page_size)
+
+    def window_pages_per_request(self, window: int) -> int:
+        """The most window pages one request can need in a step: its queries of up to token_budget positions
+        and the window - 1 keys before the first of them (a request needs no more pages than that)."""
+        return min(self.max_pages, -(-(window - 1 + self.token_budget) // self.page_size) + 1)
+
+    def default_window_pages(self, window: int) -> int:
+        """The window pool's default size: every batch row decoding or verifying (a window of keys and the
+        num_draft verify tokens each, over one page more at each end) plus one token_budget of prefill chunks;
+        at least what one request needs, at most num_pages (what the window layers would take without
+        recycling)."""
+        per_row = -(-(window + self.num_draft) // self.page_size) + 2
+        pages = self.max_batch * per_row + -(-self.token_budget // self.page_size) + 1
+        return max(self.window_pages_per_request(window), min(self.num_pages, pages))
+
+    def window_pool_pages(self, window: int) -> int:
+        return self.window_num_pages if self.window_num_pages is not None else self.default_window_pages(window)

@@ -66,28 +66,47 @@ class Engine:
     def __init__(self, model, config: ServeConfig) -> None:
         self.config = config
         self.runner = ModelRunner(model, config)
-        self.pages = PageAllocator(config.num_pages, config.page_size)
-        self.scheduler = Scheduler(config, self.pages)
+        self._allocators()
         self.steps = 0
         self.warm = False
 
+    def _allocators(self) -> None:
+        """A free list per pool of the runner (`pages`: full layers, `window_pages`: window layers that
+        recycle their pages; None where the model has no such pool) and a scheduler over them."""
+        c, runner = self.config, self.runner
+        self.pages = PageAllocator(c.num_pages, c.page_size) if "full" in runner.pools else None
+        self.window_pages = None
+        if "window" in runner.pools:
+            self.window_pages = PageAllocator(c.window_num_pages or runner.pool_pages["window"], c.page_size)
+        self.scheduler = Scheduler(c, self.pages, self.window_pages, runner.window)
+
+    @property
+    def pools_free(self) -> bool:
+        """Every page of every pool is on its free list."""
+        return all(a.num_free == a.num_pages for a in (self.pages, self.window_pages) if a is not None)
+
     def reset(self, *, num_pages: int | None = None, num_draft: int | None = None,
-              eos_token_ids: tuple[int, ...] | None = None) -> None:
-        """A fresh scheduler and free list over the same pool and compiled buckets (nothing recompiles), with
-        the engine's config but for the given `num_pages` (<= the pool's), `num_draft` (<= the compiled
-        verify width) and `eos_token_ids`. Raises ValueError while requests are still in flight."""
+              eos_token_ids: tuple[int, ...] | None = None, window_num_pages: int | None = None) -> None:
+        """A fresh scheduler and free lists over the same pools and compiled buckets (nothing recompiles), with
+        the engine's config but for the given `num_pages` (<= the pool's), `window_num_pages` (<= the window
+        pool's), `num_draft` (<= the compiled verify width) and `eos_token_ids`. Raises ValueError while
+        requests are still in flight."""
         if not self.scheduler.idle:
             raise ValueError("Engine.reset: requests are still waiting or running")
         pool, width = self.runner.config.num_pages, self.runner.config.num_draft
         if num_pages is not None and not 1 <= num_pages <= pool:
             raise ValueError(f"Engine.reset: num_pages must be in 1..{pool} (the pool); got {num_pages}")
+        window_pool = self.runner.pool_pages.get("window", 0)
+        if window_num_pages is not None and not 1 <= window_num_pages <= window_pool:
+            raise ValueError(f"Engine.reset: window_num_pages must be in 1..{window_pool} (the window pool); "
+                             f"got {window_num_pages}")
         if num_draft is not None and not 0 <= num_draft <= width:
             raise ValueError(f"Engine.reset: num_draft must be in 0..{width} (compiled verify width - 1); "
                              f"got {num_draft}")
-        changes = dict(num_pages=num_pages, num_draft=num_draft, eos_token_ids=eos_token_ids)
+        changes = dict(num_pages=num_pages, num_draft=num_draft, eos_token_ids=eos_token_ids,
+                       window_num_pages=window_num_pages)
         self.config = replace(self.runner.config, **{k: v for k, v in changes.items() if v is not None})
-        self.pages = PageAllocator(self.config.num_pages, self.config.page_size)
-        self.scheduler = Scheduler(self.config, self.pages)
+        self._allocators()
 
     def warmup(self) -> None:
         self.runner.warmup()

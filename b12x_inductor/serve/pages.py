@@ -5,6 +5,10 @@ key and value tensor per layer, owned by the runner); page p is page p of every 
 them all. A request owns a page table (its list of page ids, in position order): token position i lives in
 page `pages[i // page_size]` at offset `i % page_size`, i.e. slot `pages[i // page_size] * page_size + i %
 page_size`. Pages return to the free list when a request finishes or is preempted (its KV is recomputed later).
+
+A model whose sliding-window layers recycle their pages (`ServeConfig.recycle_window_pages`) has a second pool
+for those layers, with its own allocator: there a request holds only the pages its window can still see
+(`Request.window_pages` from column `window_base`), and the scheduler frees the ones before it.
 """
 
 from __future__ import annotations

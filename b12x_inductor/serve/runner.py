@@ -12,6 +12,14 @@ P = max_pages):
     extend   ids [1, T]    ids, positions, slots [T]; page_table [M, P]; seqlens [M];  [M] (one row per
                            cu_seqlens_q [M + 1]; logit_rows [M]                        request)
 
+That is the layout with one pool (`ModelRunner.pools == ("full",)`: a model without window layers, or
+recycle_window_pages off; or ("window",): every layer has a window and recycles its pages). A model with both
+kinds of layers that recycles window pages has two pools, ("full", "window"), and two slot mappings and page
+tables: ids, positions, slots, window_slots; page_table, window_table; then the rest as above. Window-table
+columns that the request freed (before its window) hold page 0: no query of the step sees a key there
+(paged_attention's window), and the pool holds finite values only (zero-initialized, written with the model's
+keys and values), so a kernel that reads such a key anyway gives it probability 0.
+
 Padding (rows of a bucket that no request uses) gets slot -1 (nothing written), seqlen 0 and page 0, and sits
 past cu_seqlens_q[-1] in extend steps; its outputs are ignored. The host copies the metadata in once and
 reads the sampled tokens once per step; nothing else syncs.
@@ -109,8 +117,9 @@ def attention_arguments(module, query, key, value, attention_mask, kwargs: dict,
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
     """transformers attention interface: query [B, Hq, S, D], key/value [B, Hkv, S, D] of the new tokens
-    -> [B, S, Hq, D]. `b12x_serve` (a dict from `ModelRunner._forward`) names the pool, each layer's window and
-    the step's slot mapping, page table, lengths and cu_seqlens_q (extend steps: B == 1, tokens packed).
+    -> [B, S, Hq, D]. `b12x_serve` (a dict from `ModelRunner._forward`) names, per layer, its window, its pool's
+    key and value tensors and that pool's slot mapping and page table of the step, and the step's lengths and
+    cu_seqlens_q (extend steps: B == 1, tokens packed).
     Every other keyword is honored or refused (`attention_arguments`)."""
     info = kwargs.get("b12x_serve")
     if info is None:
@@ -120,12 +129,12 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     k_cache, v_cache = info["kv"][layer]
     b, hkv, s, d = key.shape
     b12x.write_kv(key.transpose(1, 2).reshape(b * s, hkv, d), value.transpose(1, 2).reshape(b * s, hkv, d),
-                  k_cache, v_cache, info["slots"])
+                  k_cache, v_cache, info["slots"][layer])
     q = query.transpose(1, 2)  # [B, S, Hq, D]
     cu = info["cu_seqlens_q"]
     if cu is not None:
         q = q.reshape(b * s, -1, d)  # packed [T, Hq, D]
-    out = b12x.paged_attention(q, k_cache, v_cache, info["page_table"], info["seqlens"], cu, **options)
+    out = b12x.paged_attention(q, k_cache, v_cache, info["page_table"][layer], info["seqlens"], cu, **options)
     return out.reshape(b, s, -1, d), None
 
 
@@ -187,8 +196,11 @@ class ModelRunner:
 
     model: a transformers causal LM (decoder via get_decoder(), lm_head via get_output_embeddings()) whose
     layers are causal full-attention or sliding-window layers (`layer_windows`; windows, logit softcap, any
-    scaling and attention sinks are honored), switched to the "b12x_serve" attention. The pool: per layer,
-    keys and values [num_pages, page_size, Hkv, D] in the model's dtype, on its device.
+    scaling and attention sinks are honored), switched to the "b12x_serve" attention. The pools: per layer,
+    keys and values [pages, page_size, Hkv, D] in the model's dtype, on its device, zero-initialized; the
+    layer's pool is `pools[layer_pool[layer]]`: "full" (num_pages pages) or, for window layers that recycle
+    their pages, "window" (window_num_pages pages; `window` is the layers' sliding window, the largest if they
+    differ).
     """
 
     def __init__(self, model, config: ServeConfig) -> None:
@@ -201,9 +213,18 @@ class ModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        shape = (config.num_pages, config.page_size, hkv, head_dim)
-        self.kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                    torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
+        recycle = config.recycle_window_pages and any(w is not None for w in self.windows)
+        self.window = max(w for w in self.windows if w is not None) if recycle else None
+        self.layer_pool = ["window" if recycle and w is not None else "full" for w in self.windows]
+        self.pools = tuple(p for p in ("full", "window") if p in self.layer_pool)
+        self.pool_pages = {"full": config.num_pages}
+        if recycle:
+            self.pool_pages["window"] = config.window_pool_pages(self.window)
+        self.kv = []
+        for pool in self.layer_pool:
+            shape = (self.pool_pages[pool], config.page_size, hkv, head_dim)
+            self.kv.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
+                            torch.zeros(shape, dtype=self.dtype, device=self.device)))
         model.set_attn_implementation(ATTN_NAME)
         model.eval()
         self.cuda_graphs = config.cuda_graphs and self.device.type == "cuda"
@@ -214,7 +235,8 @@ class ModelRunner:
         self.buckets = ([("decode", b, 1) for b in config.decode_sizes]
                         + [("verify", b, 1 + config.num_draft) for b in config.decode_sizes if config.num_draft]
                         + [("extend", config.max_batch, t) for t in config.extend_sizes])
-        self._rows = weakref.WeakKeyDictionary()  # request -> (page count, its page-table row)
+        # per pool: request -> ((first live column, page count), its page-table row)
+        self._rows = {pool: weakref.WeakKeyDictionary() for pool in self.pools}
         self.forward = self._forward
         if config.compile:
             # Every runner's buckets are cache entries of the same code object (ModelRunner._forward), so each
@@ -228,19 +250,23 @@ class ModelRunner:
     # -- the compiled region --------------------------------------------------------------------------------
     def _forward(self, meta: torch.Tensor, kind: str, rows: int, width: int) -> torch.Tensor:
         """meta: int64, the layout of the module docstring; (rows, width) = (B, S) or (M, T) for extend."""
-        pages = self.config.max_pages
+        pages, g = self.config.max_pages, len(self.pools)
         n = width if kind == "extend" else rows * width
-        sizes = [n, n, n, rows * pages, rows] + ([rows + 1, rows] if kind == "extend" else [])
+        sizes = [n] * (2 + g) + [rows * pages] * g + [rows] + ([rows + 1, rows] if kind == "extend" else [])
         parts = meta.split(sizes)
-        ids, positions, slots, page_table, seqlens = parts[:5]
+        ids, positions = parts[:2]
+        slots = dict(zip(self.pools, parts[2:2 + g]))
+        tables = {pool: t.view(rows, pages).int() for pool, t in zip(self.pools, parts[2 + g:2 + 2 * g])}
+        seqlens, parts = parts[2 + 2 * g], parts[2 + 2 * g:]  # parts[1], parts[2]: cu_seqlens_q, logit_rows
         shape = (1, width) if kind == "extend" else (rows, width)
-        info = dict(kv=self.kv, windows=self.windows, slots=slots, page_table=page_table.view(rows, pages).int(),
-                    seqlens=seqlens.int(), cu_seqlens_q=parts[5].int() if kind == "extend" else None)
+        info = dict(kv=self.kv, windows=self.windows, slots=[slots[p] for p in self.layer_pool],
+                    page_table=[tables[p] for p in self.layer_pool], seqlens=seqlens.int(),
+                    cu_seqlens_q=parts[1].int() if kind == "extend" else None)
         hidden = self.decoder(input_ids=ids.view(shape), position_ids=positions.view(shape), use_cache=False,
                               b12x_serve=info).last_hidden_state
         hidden = hidden.flatten(0, 1)  # [n, H]
         if kind == "extend":
-            hidden = hidden[parts[6]]  # the last token of each request: [M, H]
+            hidden = hidden[parts[2]]  # the last token of each request: [M, H]
         tokens = self.lm_head(hidden).argmax(-1)
         return tokens.view(rows, width) if kind == "verify" else tokens
 
@@ -256,37 +282,50 @@ class ModelRunner:
         """The int64 metadata of a step, on the host (all padding when step is None: warm-up)."""
         ps, pages = self.config.page_size, self.config.max_pages
         work = step.work if step is not None else ()
-        ids, pos, slots, seqlens, cu, logit_rows, table = [], [], [], [], [0], [], []
+        ids, pos, seqlens, cu, logit_rows = [], [], [], [0], []
+        slots = {pool: [] for pool in self.pools}
+        tables = {pool: [] for pool in self.pools}
         for w in work:
-            r_pages, n = w.request.pages, len(w.tokens)
+            r, n = w.request, len(w.tokens)
             span = range(w.start, w.start + n)
             ids += w.tokens
             pos += span
-            slots += [r_pages[p // ps] * ps + p % ps for p in span]
-            if kind == "verify":  # pad to S tokens; padding writes nothing
+            for pool in self.pools:
+                r_pages, base = (r.pages, 0) if pool == "full" else (r.window_pages, r.window_base)
+                slots[pool] += [r_pages[p // ps - base] * ps + p % ps for p in span]
+                if kind == "verify":  # pad to S tokens; padding writes nothing
+                    slots[pool] += [-1] * (width - n)
+                tables[pool].append(self._table_row(r, pool))
+            if kind == "verify":
                 ids += [w.tokens[-1]] * (width - n)
                 pos += range(w.start + n, w.start + width)
-                slots += [-1] * (width - n)
-            table.append(self._table_row(w.request))
             seqlens.append(w.start + (width if kind == "verify" else n))
             cu.append(cu[-1] + n)
             logit_rows.append(cu[-1] - 1)
         pad = (width if kind == "extend" else rows * width) - len(ids)
         free_rows = rows - len(work)
-        head = ids + [0] * pad + pos + [0] * pad + slots + [-1] * pad
+        head = ids + [0] * pad + pos + [0] * pad
+        for pool in self.pools:
+            head += slots[pool] + [-1] * pad
         tail = seqlens + [0] * free_rows
         if kind == "extend":
             tail += cu + [cu[-1]] * free_rows + logit_rows + [0] * free_rows
-        table.append(torch.zeros(free_rows * pages, dtype=torch.int64))
+        table = []
+        for pool in self.pools:
+            table += tables[pool] + [torch.zeros(free_rows * pages, dtype=torch.int64)]
         return torch.cat([torch.tensor(head, dtype=torch.int64), *table, torch.tensor(tail, dtype=torch.int64)])
 
-    def _table_row(self, request) -> torch.Tensor:
-        """A request's page-table row, padded with page 0, rebuilt only when its page count changes."""
-        cached = self._rows.get(request)
-        if cached is None or cached[0] != len(request.pages):
+    def _table_row(self, request, pool: str = "full") -> torch.Tensor:
+        """A request's page-table row in a pool, padded with page 0 (and, in the window pool, page 0 in its
+        freed columns), rebuilt only when its pages change: they grow at the end, free at the front, or are all
+        freed by a preemption (and taken anew, maybe as many)."""
+        pages, base = (request.pages, 0) if pool == "full" else (request.window_pages, request.window_base)
+        key = (request.num_preempted, base, len(pages))
+        cached = self._rows[pool].get(request)
+        if cached is None or cached[0] != key:
             row = torch.zeros(self.config.max_pages, dtype=torch.int64)
-            row[:len(request.pages)] = torch.tensor(request.pages, dtype=torch.int64)
-            cached = self._rows[request] = (len(request.pages), row)
+            row[base:base + len(pages)] = torch.tensor(pages, dtype=torch.int64)
+            cached = self._rows[pool][request] = (key, row)
         return cached[1]
 
     def run(self, step: Step) -> list[list[int]]:

@@ -10,6 +10,14 @@ recently admitted running request is preempted: its pages are freed and it goes 
 waiting queue, to recompute its KV (prompt and output so far) when it is admitted again.
 
 A request's KV is recomputed from `tokens` (prompt + output), so preemption never changes its output.
+
+Two pools when the model's sliding-window layers recycle their pages (`ServeConfig.recycle_window_pages`):
+`pages` (the full-attention layers; None for a model whose every layer has a window) and `window_pages` (the
+window layers; None without recycling). A request holds window pages only from its first live column: the
+first position that a query still to come can see is num_computed - window + 1 (num_computed only grows,
+but for preemption, which frees everything: rejected drafts and chunked prefill re-query from it), so the
+columns of pages wholly before it go back to the pool. Admission, growth and preemption take both pools into
+account: a step runs a request only when both hold its pages.
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ class Request:
 
     prompt: token ids; max_new_tokens: output length limit; arrival: seconds after serving starts.
     tokens: prompt + output so far; num_computed: leading tokens of `tokens` whose KV is in the cache;
-    pages: the request's page table (page ids in position order).
+    pages: the request's page table (page ids in position order) in the full pool;
+    window_pages: its live pages in the window pool, for columns window_base, window_base + 1, ... (position i
+    in column i // page_size); columns before window_base were freed (no query to come sees them).
     """
 
     prompt: list[int]
@@ -41,6 +51,8 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0
     pages: list[int] = field(default_factory=list)
+    window_pages: list[int] = field(default_factory=list)
+    window_base: int = 0
     num_preempted: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
@@ -97,9 +109,20 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, config: ServeConfig, pages: PageAllocator) -> None:
+    """pages: the full pool's allocator (None: no full-attention pool); window_pages: the window pool's (None:
+    window pages are not recycled), whose layers all have sliding window `window` (the largest, if they
+    differ)."""
+
+    def __init__(self, config: ServeConfig, pages: PageAllocator | None, window_pages: PageAllocator | None = None,
+                 window: int | None = None) -> None:
+        if pages is None and window_pages is None:
+            raise ValueError("Scheduler: needs a page pool (pages, window_pages or both)")
+        if window_pages is not None and (window is None or window < 1):
+            raise ValueError(f"Scheduler: a window pool needs the layers' window (>= 1); got {window}")
         self.config = config
         self.pages = pages
+        self.window_pages, self.window = window_pages, window
+        self.pools = [a for a in (pages, window_pages) if a is not None]
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -110,9 +133,15 @@ class Scheduler:
         if total > c.max_model_len:
             raise ValueError(f"Request {request.id}: prompt + max_new_tokens must be <= max_model_len "
                              f"({c.max_model_len}); got {total}")
-        if self.pages.pages_for(total) > self.pages.num_pages:
+        if self.pages is not None and self.pages.pages_for(total) > self.pages.num_pages:
             raise ValueError(f"Request {request.id}: needs {self.pages.pages_for(total)} pages; the pool has "
                              f"{self.pages.num_pages}")
+        if self.window_pages is not None:
+            need = min(self.window_pages.pages_for(total), c.window_pages_per_request(self.window))
+            if need > self.window_pages.num_pages:
+                raise ValueError(f"Request {request.id}: needs {need} window pages (window {self.window}, "
+                                 f"token_budget {c.token_budget}); the window pool has "
+                                 f"{self.window_pages.num_pages}")
         if c.num_draft:
             request.ngrams = NgramIndex(max_ngram=c.max_ngram)
         self.waiting.append(request)
@@ -135,8 +164,10 @@ class Scheduler:
             r = self.waiting[0]
             n = min(budget, len(r.tokens))
             # keep a page per running request free for its next decode, or admission just makes preemptions
-            if self.pages.pages_for(n) + len(self.running) > self.pages.num_free or not self.pages.grow(r.pages, n):
+            if any(a.pages_for(n) + len(self.running) > a.num_free for a in self.pools):
                 break
+            grown = self._grow(r, n)  # nothing is freed yet: n positions from 0 need pages_for(n) in each pool
+            assert grown
             self.waiting.popleft()
             self.running.append(r)
             taken = self._take(r, n, work)  # pages are already there: it takes n
@@ -157,7 +188,8 @@ class Scheduler:
         """Schedules tokens num_computed .. num_computed + n - 1 of a running request, preempting the most
         recently admitted request without work in this step while pages run out (`r` itself last); returns
         the number of tokens taken (0 if `r` was preempted)."""
-        while not self.pages.grow(r.pages, r.num_computed + n):
+        self._release_window(r)
+        while not self._grow(r, r.num_computed + n):
             busy = {id(w.request) for w in work}
             victim = next((v for v in reversed(self.running) if v is not r and id(v) not in busy), r)
             self.preempt(victim)
@@ -172,12 +204,51 @@ class Scheduler:
         r = w.request
         room = min(self.config.num_draft, r.max_new_tokens - r.num_output - 1)  # drafts past the limit are waste
         draft = r.ngrams.draft(r.tokens, room) if room > 0 else []
-        if draft and not self.pages.grow(r.pages, len(r.tokens) + len(draft)):
-            draft = draft[:len(r.pages) * self.pages.page_size - len(r.tokens)]  # what the held pages fit
+        if draft and not self._grow(r, len(r.tokens) + len(draft)):
+            draft = draft[:self._held(r) - len(r.tokens)]  # what the held pages fit
         return Work(request=r, start=w.start, tokens=w.tokens + tuple(draft), sample=True, num_draft=len(draft))
 
+    # -- pages ----------------------------------------------------------------------------------------------
+    def _grow(self, r: Request, end: int) -> bool:
+        """Gives r pages for its positions < end in each pool (the window pool: from its first live column);
+        False if a pool ran out (what was taken stays with r)."""
+        if self.pages is not None and not self.pages.grow(r.pages, end):
+            return False
+        if self.window_pages is not None:
+            extra = self.window_pages.allocate(max(0, self.window_pages.pages_for(end) - r.window_base
+                                                   - len(r.window_pages)))
+            if extra is None:
+                return False
+            r.window_pages.extend(extra)
+        return True
+
+    def _held(self, r: Request) -> int:
+        """Positions below this have pages in every pool."""
+        ps = self.config.page_size
+        return min([len(r.pages) * ps] * (self.pages is not None)
+                   + [(r.window_base + len(r.window_pages)) * ps] * (self.window_pages is not None))
+
+    def _release_window(self, r: Request) -> None:
+        """Frees r's window columns that no query to come can see: all their positions are before
+        num_computed - window + 1 (every later query is at num_computed or after)."""
+        if self.window_pages is None:
+            return
+        dead = max(0, r.num_computed - self.window + 1) // self.config.page_size - r.window_base
+        if dead > 0:
+            gone = r.window_pages[:dead]
+            del r.window_pages[:dead]
+            self.window_pages.free(gone)
+            r.window_base += dead
+
+    def _free_all(self, r: Request) -> None:
+        if self.pages is not None:
+            self.pages.free(r.pages)
+        if self.window_pages is not None:
+            self.window_pages.free(r.window_pages)
+        r.window_base = 0
+
     def preempt(self, r: Request) -> None:
-        self.pages.free(r.pages)
+        self._free_all(r)
         r.num_computed = 0
         r.num_preempted += 1
         self.num_preemptions += 1
@@ -194,6 +265,7 @@ class Scheduler:
             r = w.request
             if not w.sample:
                 r.num_computed = w.start + len(w.tokens)
+                self._release_window(r)
                 continue
             real = len(w.tokens) - w.num_draft  # 1 in verify steps: pred[j] follows w.tokens[j]
             draft = w.tokens[real:]
@@ -214,10 +286,12 @@ class Scheduler:
             if stop is not None:
                 self._finish(r, now)
                 finished.append(r)
+            else:
+                self._release_window(r)
         return finished
 
     def _finish(self, r: Request, now: float) -> None:
-        self.pages.free(r.pages)
+        self._free_all(r)
         self.running.remove(r)
         r.finished = True
         r.finish_time = now
