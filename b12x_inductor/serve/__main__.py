@@ -131,7 +131,8 @@ def main(argv=None) -> int:
 def _config_dict(c: ServeConfig) -> dict:
     return dict(num_pages=c.num_pages, page_size=c.page_size, max_batch=c.max_batch, token_budget=c.token_budget,
                 max_model_len=c.max_model_len, num_draft=c.num_draft, decode_buckets=list(c.decode_sizes),
-                extend_buckets=list(c.extend_sizes), compile=c.compile)
+                extend_buckets=list(c.extend_sizes), compile=c.compile, recycle_window_pages=c.recycle_window_pages,
+                window_num_pages=c.window_num_pages)
 
 
 if __name__ == "__main__":
