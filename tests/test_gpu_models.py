@@ -5,7 +5,8 @@ query / 8 KV heads) against "eager" and a Gemma-3-4B-shaped one (6 layers: 5 win
 with every expert routed to (see `continuous_moe`). A left-padded batch of 4 with prompts longer than the window
 (one row with fewer real tokens than the window: pads inside it); b12x over transformers' static cache and over a
 B12xCache, generate compiled with fullgraph and reduce-overhead (dynamic=None, as sliding-window static caches
-need; the peer compiled alike); no graph breaks and no CUDA graph skips; the near-tie rule of test_hf. Marker
+need; the peer compiled alike); no graph breaks and no CUDA graph skips; the near-tie rule of
+test_hf.assert_greedy_equal. Marker
 `gpu`; skipped without CUDA."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_hf import cache_kwarg, generate  # noqa: E402
+from test_hf import assert_greedy_equal, cache_kwarg, generate  # noqa: E402
 
 from b12x_inductor.bench import hf as bench  # noqa: E402
 from b12x_inductor.integrations import hf  # noqa: E402
@@ -23,29 +24,6 @@ from b12x_inductor.integrations import hf  # noqa: E402
 NEW_TOKENS = 24
 # prompt length, left pads of the 4 rows, max_cache_len; the last row's real tokens are fewer than the window
 CASES = {"gpt-oss": (300, (0, 50, 130, 190), 384), "gemma3": (1200, (0, 60, 150, 1100), 1280)}
-
-
-def assert_greedy_equal_to(peer, model, ids, mask, want, got, name, ulps=4):
-    """test_hf.assert_greedy_equal with the recompute under attention `peer` instead of "sdpa": greedy tokens
-    `got` equal the peer's `want`, except where the peer's own top-2 logit margin at the first differing
-    position of a row is within `ulps` units of rounding of the model dtype at the top logit and the two
-    tokens are those top two, in either order; the rest of such a row is not compared."""
-    model.set_attn_implementation(peer)
-    for row in range(want.shape[0]):
-        diff = (got[row] != want[row]).nonzero()
-        if not len(diff):
-            continue
-        pos = int(diff[0])
-        row_mask = torch.cat([mask[row], mask.new_ones(pos - mask.shape[1])])[None]
-        position_ids = (row_mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad():
-            logits = model(want[row:row + 1, :pos], attention_mask=row_mask, position_ids=position_ids).logits
-        top = logits[0, -1].float().topk(2)
-        margin = float(top.values[0] - top.values[1])
-        tie = ulps * torch.finfo(model.dtype).eps * abs(float(top.values[0]))
-        assert {int(got[row, pos]), int(want[row, pos])} == set(top.indices.tolist()) and margin <= tie, (
-            f"{name}: row {row} differs from {peer} at position {pos}: got {int(got[row, pos])}, {peer} "
-            f"{int(want[row, pos])} ({peer} top-2 {top.indices.tolist()}, margin {margin:.4f} > near-tie {tie:.4f})")
 
 
 def continuous_moe(config: dict) -> dict:
@@ -92,7 +70,7 @@ def check_tokens_equal_peer(name, device, dtype, config, case, monkeypatch):
     assert not counters["graph_break"], dict(counters["graph_break"])
     for cache, tokens in got.items():
         assert tokens.shape == (4, length + NEW_TOKENS)
-        assert_greedy_equal_to(spec.peer, model, ids, mask, want, tokens, f"{name} {cache}")
+        assert_greedy_equal(model, ids, mask, want, tokens, f"{name} {cache}", peer=spec.peer)
     return got, want
 
 

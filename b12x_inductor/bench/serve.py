@@ -247,13 +247,14 @@ def run_b12x(model, requests, preset: dict, device, num_draft: int, compile: boo
 
 def run_b12x_both(model, requests, preset: dict, device, num_draft: int, compile: bool = True) -> list[dict]:
     """b12x (and b12x+lookup) with window pages recycled; for a model with sliding-window layers, then
-    b12x-keep-window (a second engine, compiled anew: its pool layout differs)."""
+    b12x-keep-window (a second engine, compiled anew: its pool layout differs; the same num_draft, so its
+    page-table width, buckets and attention plans equal the first engine's and its outputs can be compared)."""
     rows, engine = run_b12x(model, requests, preset, device, num_draft, compile)
     if engine.runner.window is None:
         return rows
     del engine
     _free(device)
-    kept = run_b12x(model, requests, preset, device, 0, compile, recycle=False)[0]
+    kept = run_b12x(model, requests, preset, device, num_draft, compile, recycle=False)[0]  # same buckets and plans
     same = sum(a == b for a, b in zip(kept[0]["outputs"], rows[0]["outputs"])) / len(requests)
     kept[0]["notes"] += f", {same:.0%} of outputs equal b12x's"
     return rows + kept
