@@ -97,3 +97,29 @@ def replay_with_new_lengths(graph, t, out, lse, check, *, page_size=16, steps=3,
         graph.replay()
         torch.cuda.synchronize()
         check(step)
+
+
+def interpreter_worker_report(test_file: str) -> dict:
+    """Runs `test_file --triton-interpreter-worker` in a subprocess with TRITON_INTERPRET=1 (the Triton
+    family on CPU) and returns the JSON report its worker printed last; fails the test if it printed none."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(test_file)))
+    proc = subprocess.run([sys.executable, os.path.abspath(test_file), "--triton-interpreter-worker"], env=env,
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"worker failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+def one_thread():
+    """Body of a module-scoped fixture: tiny models run no faster on more threads, and far slower when the
+    cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

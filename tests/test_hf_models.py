@@ -325,18 +325,9 @@ def _triton_interpreter_worker():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter check for CPU machines; the GPU tests run the kernels")
 def test_triton_kernels_see_the_integration_tensors():
-    import json
-    import os
-    import subprocess
-    import sys
+    from helpers import interpreter_worker_report
 
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--triton-interpreter-worker"], env=env,
-                          cwd=root, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"worker failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
-    report = json.loads(lines[-1])
+    report = interpreter_worker_report(__file__)
     assert all(report["results"].values()), report
     assert {"decode:triton", "verify:triton", "extend:triton"} <= set(report["seen"]), report
 

@@ -15,15 +15,10 @@ from b12x_inductor.serve import Engine, Request, ServeConfig
 from b12x_inductor.serve.draft import NgramIndex, prompt_lookup
 from b12x_inductor.serve.pages import PageAllocator
 from b12x_inductor.serve.scheduler import Scheduler
+from helpers import one_thread
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run no faster on more threads, and far slower when the cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
 
 # -- page allocator ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from helpers import one_thread
 from hf_models import ARCHS, WINDOW, layer_types, make_model
 
 from b12x_inductor.serve import Engine, Request, ServeConfig
@@ -16,13 +17,7 @@ from b12x_inductor.serve import runner as runner_mod
 from b12x_inductor.serve.runner import HARMLESS_KWARGS, HONORED_KWARGS, attention_arguments
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run no faster on more threads, and far slower when the cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
 
 # (prompt length, new tokens): 40 > token_budget (chunked prefill), 5 requests > max_batch (some wait), every
