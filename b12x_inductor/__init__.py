@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from b12x_inductor import ops as _ops  # noqa: F401  (registers torch.ops.b12x.*)
+from b12x_inductor import validate as _validate
 from b12x_inductor.plan import Plan, Problem, select_plan
 
 __all__ = ["paged_attention", "write_kv", "warmup", "select_plan", "Plan", "Problem"]
@@ -66,11 +67,15 @@ def paged_attention(
         out (q's shape and dtype), or (out, lse) with return_lse. A query with no visible key gets
         zeros and lse = -inf.
 
-    Bad shapes, dtypes, devices, strides or options raise ValueError / TypeError naming the argument.
+    Bad shapes, dtypes, devices, strides or options raise ValueError / TypeError naming the argument
+    (options must be of their Python type: causal a bool, scale a float or int, not a tensor). There is no
+    backward: with grad mode on, an input that requires grad raises RuntimeError (use torch.no_grad()).
     What only the device knows (page ids, lengths) is checked with B12X_DEBUG=1 (a host sync).
     """
     kwargs = dict(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, kv_start=kv_start,
                   sinks=sinks, softcap=softcap, k_descale=k_descale, v_descale=v_descale)
+    _validate.check_paged_attention_types(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
+                                          return_lse=return_lse, out=out, **kwargs)
     if out is None:
         out, lse = torch.ops.b12x.paged_attention(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
                                                   **kwargs)
@@ -100,6 +105,8 @@ def write_kv(
         k_scale, v_scale: float32 scalar, [N] or [N, Hkv]; float8 caches store k / k_scale (clamped to
             the float8 range).
     """
+    _validate.check_write_kv_types(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale,
+                                   v_scale=v_scale)
     torch.ops.b12x.write_kv(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale,
                             v_scale=v_scale)
 

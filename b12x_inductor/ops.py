@@ -4,6 +4,9 @@ Public ops (what user code and graph passes call):
 - b12x::paged_attention(...) -> (out, lse)           functional; lowered by lowering/paged_attention.py
 - b12x::paged_attention_out(..., out) -> lse         writes a caller's `out`
 - b12x::write_kv(k, v, k_cache, v_cache, slot_mapping, ...) -> ()   mutates the caches in place
+- b12x::refuse(exc, message) -> ()                   raises; how the public functions' checks fail under Dynamo
+
+None has a backward: with grad mode on, an input that requires grad raises (their Autograd kernels).
 
 Entry ops (one per plan mode; what the lowering emits, with the plan's constants as literals):
 - b12x::paged_attention_{decode,verify,extend}(..., out, lse, scratch, *, options, plan constants) -> ()
@@ -43,7 +46,17 @@ _lib.define(
     "str kv_layout=\"NHD\", Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
 )
 
+_lib.define("refuse(str exc, str message) -> ()")  # raises exc(message): validate.refuse, under Dynamo
+
 plan_for = functools.lru_cache(maxsize=1024)(select_plan)
+
+
+def _refuse(exc, message):
+    raise validate.REFUSALS[exc](message)
+
+
+torch.library.impl(_lib, "refuse", "CompositeExplicitAutograd")(_refuse)
+torch.library.register_fake("b12x::refuse")(_refuse)
 
 
 def entry_options(head_dim: int, *, kv_layout, causal, scale, window_left, softcap) -> dict:
@@ -134,6 +147,28 @@ for _mode in MODES:
     _entry(_mode)
 
 
+def _no_grad_kernel(name: str, op: str, tensor_args: tuple[str, ...]):
+    """An Autograd kernel for b12x::<name>: the ops have no backward, so with grad mode on an input that
+    requires grad raises (eagerly, and while Dynamo and AOTAutograd trace: their fake tensors carry
+    requires_grad); otherwise it redispatches below autograd, so outputs never claim a gradient they
+    would not get. Inference-mode tensors skip it."""
+    overload = getattr(torch.ops.b12x, name).default
+    positional = [a.name for a in overload._schema.arguments if not a.kwarg_only]
+
+    def kernel(keyset, *args, **kwargs):
+        named = dict(zip(positional, args), **kwargs)
+        validate.check_no_grad(op, {a: named.get(a) for a in tensor_args})
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    _lib.impl(name, kernel, "Autograd", with_keyset=True)
+
+
+_ATTN_TENSORS = ("q", "k_cache", "v_cache", "sinks", "k_descale", "v_descale")
+_no_grad_kernel("paged_attention", "paged_attention", _ATTN_TENSORS)
+_no_grad_kernel("paged_attention_out", "paged_attention", _ATTN_TENSORS + ("out",))
+
+
 @torch.library.impl(_lib, "write_kv", "CompositeExplicitAutograd")
 def _write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="NHD", k_scale=None, v_scale=None):
     validate.check_write_kv(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale,
@@ -149,3 +184,6 @@ def _write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="NHD", k_scale=
 def _write_kv_fake(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="NHD", k_scale=None, v_scale=None):
     validate.check_write_kv(k, v, k_cache, v_cache, slot_mapping, kv_layout=kv_layout, k_scale=k_scale,
                             v_scale=v_scale)
+
+
+_no_grad_kernel("write_kv", "write_kv", ("k", "v", "k_cache", "v_cache", "k_scale", "v_scale"))

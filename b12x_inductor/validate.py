@@ -18,8 +18,21 @@ Q_DTYPES_CUDA = (torch.bfloat16, torch.float16)
 Q_DTYPES_CPU = (torch.bfloat16, torch.float16, torch.float32)
 
 
+REFUSALS = {e.__name__: e for e in (ValueError, TypeError, RuntimeError)}
+
+
+def refuse(exc: type[Exception], message: str) -> None:
+    """Raises exc(message). While Dynamo traces (the public functions' Python checks run then), through the
+    op b12x::refuse, whose fake raises it: Dynamo reports an exception raised by traced Python code under
+    fullgraph only as "Observed exception", without the message, but an error of an op's fake comes out as
+    its TorchRuntimeError with the original in the chain, as the other checks' errors do."""
+    if torch.compiler.is_compiling():
+        torch.ops.b12x.refuse(exc.__name__, message)
+    raise exc(message)
+
+
 def _fail(op: str, arg: str, expected: str, got: object, exc: type[Exception] = ValueError) -> None:
-    raise exc(f"{op}: {arg} must be {expected}; got {got}")
+    refuse(exc, f"{op}: {arg} must be {expected}; got {got}")
 
 
 def _shape(t: torch.Tensor) -> tuple:
@@ -57,6 +70,93 @@ def _check_fp8_scale(op, name, s, cache_dtype, device, rows_name: str, rows: int
               f"shape {_shape(s)}")
 
 
+_INT = (int, torch.SymInt)
+_REAL = (int, float, torch.SymInt, torch.SymFloat)
+
+
+def _type_name(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return "Tensor"
+    return f"{type(x).__name__} {x!r}" if isinstance(x, (bool, int, float, str)) else type(x).__name__
+
+
+def check_kv_layout(op: str, kv_layout: object) -> None:
+    if not isinstance(kv_layout, str):
+        _fail(op, "kv_layout", "'NHD' or 'HND' (a str)", _type_name(kv_layout), TypeError)
+    if kv_layout not in ("NHD", "HND"):
+        _fail(op, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+
+
+def check_options(op: str, *, kv_layout, causal, scale, window_left, softcap) -> None:
+    """The non-tensor options of paged_attention: exact Python types (a bool is not taken for a number, a
+    tensor is not taken for a float), then their ranges. The public functions run this before the op's
+    schema (which would coerce causal=1 to True, take a one-element tensor as a float and reject 2.5 for an
+    int with a schema error); the op's eager and fake implementations run it again."""
+    check_kv_layout(op, kv_layout)
+    if not isinstance(causal, bool):
+        _fail(op, "causal", "a bool", _type_name(causal), TypeError)
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, _REAL):
+            _fail(op, "scale", "a Python float or int, or None (a tensor scale is not taken: pass float(scale))",
+                  _type_name(scale), TypeError)
+        if not 0.0 < float(scale) < float("inf"):
+            _fail(op, "scale", "a positive finite float or None", scale)
+    if isinstance(window_left, bool) or not isinstance(window_left, _INT):
+        _fail(op, "window_left", "an int >= -1 (-1: no window)", _type_name(window_left), TypeError)
+    if window_left < -1:
+        _fail(op, "window_left", "an int >= -1 (-1: no window)", window_left)
+    if isinstance(softcap, bool) or not isinstance(softcap, _REAL):
+        _fail(op, "softcap", "a Python float or int (0: no softcap)", _type_name(softcap), TypeError)
+    if not 0.0 <= float(softcap) < float("inf"):
+        _fail(op, "softcap", "a finite float >= 0 (0: no softcap)", softcap)
+
+
+def _check_tensor_types(op: str, required: dict, optional: dict) -> None:
+    for name, t in required.items():
+        if not isinstance(t, torch.Tensor):
+            _fail(op, name, "a torch.Tensor", _type_name(t), TypeError)
+    for name, t in optional.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            _fail(op, name, "a torch.Tensor or None", _type_name(t), TypeError)
+
+
+def check_paged_attention_types(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, *, kv_layout,
+                                causal, scale, window_left, kv_start, sinks, softcap, k_descale, v_descale,
+                                return_lse, out) -> None:
+    """What `b12x_inductor.paged_attention` checks before it calls the op (Python types only: it runs the
+    same eagerly and while Dynamo traces)."""
+    op = "paged_attention"
+    _check_tensor_types(op, dict(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table,
+                                 cache_seqlens=cache_seqlens),
+                        dict(cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, sinks=sinks, k_descale=k_descale,
+                             v_descale=v_descale, out=out))
+    check_options(op, kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=softcap)
+    if not isinstance(return_lse, bool):
+        _fail(op, "return_lse", "a bool", _type_name(return_lse), TypeError)
+
+
+def check_write_kv_types(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, v_scale) -> None:
+    """What `b12x_inductor.write_kv` checks before it calls the op."""
+    op = "write_kv"
+    _check_tensor_types(op, dict(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping),
+                        dict(k_scale=k_scale, v_scale=v_scale))
+    check_kv_layout(op, kv_layout)
+
+
+def check_no_grad(op: str, tensors: dict) -> None:
+    """The ops have no backward: with grad mode on, an input that requires grad is refused (rather than an
+    output whose gradient would silently be missing). Inference (torch.no_grad, torch.inference_mode, inputs
+    that do not require grad) is untouched."""
+    if not torch.is_grad_enabled():
+        return
+    needs = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+    if needs:
+        raise RuntimeError(
+            f"{op}: {', '.join(needs)} {'requires' if len(needs) == 1 else 'require'} grad with grad mode on, "
+            f"but {op} has no backward (it supports inference only); call it under torch.no_grad() or "
+            f"torch.inference_mode(), or pass detached tensors")
+
+
 def cache_dims(shape, kv_layout: str) -> tuple:
     """(page_size, Hkv) of a cache of shape [num_pages, page_size, Hkv, D] (NHD) or [num_pages, Hkv,
     page_size, D] (HND); `shape` may hold symbolic sizes."""
@@ -65,8 +165,7 @@ def cache_dims(shape, kv_layout: str) -> tuple:
 
 def cache_geometry(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int]:
     """(num_pages, page_size, Hkv, D) of a paged cache pair, after checking the pair agrees."""
-    if kv_layout not in ("NHD", "HND"):
-        _fail(op, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
+    check_kv_layout(op, kv_layout)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(op, name, c, dim=4)
         if c.stride(-1) != 1:
@@ -79,8 +178,12 @@ def cache_geometry(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lay
         _fail(op, "v_cache", f"on k_cache's device {k_cache.device}", v_cache.device)
     n, _, _, d = _shape(k_cache)
     page_size, hkv = cache_dims(_shape(k_cache), kv_layout)
+    if n < 1:
+        _fail(op, "k_cache", "a cache with at least one page (num_pages >= 1)", f"shape {_shape(k_cache)}")
     if page_size < 1:
         _fail(op, "k_cache", "a cache with page_size >= 1", f"shape {_shape(k_cache)} ({kv_layout})")
+    if hkv < 1:
+        _fail(op, "k_cache", "a cache with Hkv >= 1 KV heads", f"shape {_shape(k_cache)} ({kv_layout})")
     return n, page_size, hkv, d
 
 
@@ -107,6 +210,8 @@ def check_paged_attention(
         _fail(op, "q", "contiguous in its last (head) dim", f"strides {tuple(q.stride())}")
     if q.shape[0] == 0 or (q.dim() == 4 and q.shape[1] == 0):
         _fail(op, "q", "at least one token", f"shape {_shape(q)}")
+    if q.shape[-2] == 0:
+        _fail(op, "q", "at least one head (Hq >= 1)", f"shape {_shape(q)}")
     num_pages, page_size, hkv, d = cache_geometry(op, k_cache, v_cache, kv_layout)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(op, name, c, device=device)
@@ -118,7 +223,7 @@ def check_paged_attention(
         _fail(op, "k_cache", f"of q's head dim {qd}", f"head dim {d}")
     if d not in HEAD_DIMS:
         _fail(op, "q", "of head dim " + ", ".join(map(str, HEAD_DIMS)), f"head dim {d}")
-    if hkv < 1 or hq % hkv != 0:
+    if hq % hkv != 0:
         _fail(op, "q", f"a number of heads divisible by the cache's {hkv} KV heads", f"{hq} heads")
 
     _check_tensor(op, "page_table", page_table, dtype=torch.int32, dim=2, device=device)
@@ -136,14 +241,7 @@ def check_paged_attention(
         _check_tensor(op, "sinks", sinks, dtype=torch.float32, shape=(hq,), device=device, contiguous=True)
     for name, ds in (("k_descale", k_descale), ("v_descale", v_descale)):
         _check_fp8_scale(op, name, ds, k_cache.dtype, device, "B", batch, hkv)
-    if not isinstance(causal, bool):
-        _fail(op, "causal", "a bool", type(causal).__name__, TypeError)
-    if scale is not None and not (isinstance(scale, (int, float)) and 0.0 < float(scale) < float("inf")):
-        _fail(op, "scale", "a positive finite float or None", scale)
-    if not isinstance(window_left, int) or window_left < -1:
-        _fail(op, "window_left", "an int >= -1 (-1: no window)", window_left)
-    if not isinstance(softcap, (int, float)) or not 0.0 <= float(softcap) < float("inf"):
-        _fail(op, "softcap", "a finite float >= 0 (0: no softcap)", softcap)
+    check_options(op, kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=softcap)
     if out is not None:
         _check_tensor(op, "out", out, dtype=q.dtype, shape=_shape(q), device=device)
         if not out.is_contiguous():

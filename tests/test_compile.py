@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import expecttest
 import pytest
@@ -118,9 +119,66 @@ def test_graph_cache_key_covers_project_sources():
     assert cache.GRAPH_PASS in passes
     uuid = cache.GRAPH_PASS.uuid()
     assert uuid.startswith("b12x-") and len(uuid) > 40
-    assert any(f.endswith("lowering/paged_attention.py") for f in cache._source_files())
-    assert any(f.endswith("kernels/torch_impl.py") for f in cache._source_files())
-    assert any(f.endswith("b12x_inductor/plan.py") for f in cache._source_files())
+    files = set(cache._source_files())
+    roots = [Path(b12x.__file__).parent, Path(cache.__file__).parent, Path(cache.__file__).parent.parent / "kernels"]
+    every = {str(f.resolve()) for root in roots for f in root.rglob("*.py")}
+    assert every <= files, sorted(every - files)  # every source of the package, the triton/ and cute/ kernels too
+    assert any(f.endswith("lowering/paged_attention.py") for f in files)
+    assert any(f.endswith("kernels/torch_impl.py") for f in files)
+    assert any(f.endswith("b12x_inductor/plan.py") for f in files)
+
+
+def test_editing_a_source_changes_the_graph_cache_key(tmp_path, monkeypatch):
+    """One changed byte in any hashed file changes GRAPH_PASS.uuid(), and that uuid is in Inductor's FX graph
+    cache key: the same graph hits the cache under one uuid and misses under another."""
+    copies = []
+    for i, f in enumerate(sorted(cache._source_files())):
+        copy = tmp_path / f"{i}_{Path(f).name}"
+        copy.write_bytes(Path(f).read_bytes())
+        copies.append(copy)
+
+    def uuid_of(files):
+        monkeypatch.setattr(cache, "_source_files", lambda: tuple(str(c) for c in files))
+        cache.source_hash.cache_clear()
+        cache._inductor.get_hash_for_files.cache_clear()  # torch's helper caches by path (files do not change in a process)
+        return cache.GRAPH_PASS.uuid()
+
+    try:
+        original = uuid_of(copies)
+        for target in (next(c for c in copies if c.name.endswith("_plan.py")), copies[-1]):
+            data = target.read_bytes()
+            target.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one byte of one file
+            assert uuid_of(copies) != original, target.name
+            target.write_bytes(data)
+            assert uuid_of(copies) == original
+        assert uuid_of(copies[:-1]) != original  # a file removed from the package
+    finally:
+        monkeypatch.undo()
+        cache.source_hash.cache_clear()
+        cache._inductor.get_hash_for_files.cache_clear()
+
+    import torch._inductor.config as config
+    from torch._dynamo.utils import counters
+
+    args = make_problem(batch=2, q_len=1, hq=4, hkv=2, d=64, seed=22)
+
+    def misses_and_hits():
+        torch._dynamo.reset()
+        counters.clear()
+        with config.patch(fx_graph_cache=True, fx_graph_remote_cache=False):
+            torch.compile(b12x.paged_attention, fullgraph=True, dynamic=False)(**args)
+        return counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"]
+
+    import uuid
+
+    def edit_sources():  # a source hash that no earlier run has seen
+        monkeypatch.setattr(cache, "source_hash", lambda h=f"edited-{uuid.uuid4().hex}": h)
+
+    edit_sources()
+    assert misses_and_hits() == (1, 0)
+    assert misses_and_hits() == (0, 1)  # same sources: served from the cache
+    edit_sources()
+    assert misses_and_hits() == (1, 0)  # edited sources: compiled again
 
 
 def test_out_argument_is_written_in_place_when_compiled():

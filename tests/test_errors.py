@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -80,23 +79,54 @@ CASES = [
     ("sinks_dtype", _set(sinks=torch.zeros(4, dtype=torch.float16)), TypeError, "sinks must be of dtype torch.float32"),
     ("descale_bf16", _set(k_descale=torch.tensor(1.0)), ValueError, "k_descale must be None for a cache that is not"),
     ("scale", _set(scale=-1.0), ValueError, "scale must be a positive finite float"),
+    ("scale_tensor", _set(scale=torch.tensor(0.1)), TypeError,
+     r"scale must be a Python float or int, or None \(a tensor scale is not taken.*; got Tensor"),
+    ("scale_bool", _set(scale=True), TypeError, "scale must be a Python float or int.*; got bool True"),
+    ("causal_int", _set(causal=1), TypeError, "causal must be a bool; got int 1"),
+    ("causal_none", _set(causal=None), TypeError, "causal must be a bool; got NoneType"),
     ("window", _set(window_left=-2), ValueError, "window_left must be an int >= -1"),
+    ("window_float", _set(window_left=2.5), TypeError, r"window_left must be an int >= -1 .*; got float 2.5"),
+    ("window_bool", _set(window_left=True), TypeError, "window_left must be an int >= -1 .*; got bool True"),
     ("softcap", _set(softcap=-1.0), ValueError, "softcap must be a finite float >= 0"),
+    ("softcap_tensor", _set(softcap=torch.tensor(2.0)), TypeError, "softcap must be a Python float or int"),
+    ("layout_type", _set(kv_layout=1), TypeError, r"kv_layout must be 'NHD' or 'HND' \(a str\); got int 1"),
+    ("return_lse", _set(return_lse=1), TypeError, "return_lse must be a bool; got int 1"),
+    ("sinks_list", _set(sinks=[0.0] * 4), TypeError, "sinks must be a torch.Tensor or None; got list"),
+    ("seqlens_list", _set(cache_seqlens=[1, 2]), TypeError, "cache_seqlens must be a torch.Tensor; got list"),
+    ("zero_pages", _set(k_cache=lambda a: a["k_cache"][:0], v_cache=lambda a: a["v_cache"][:0]), ValueError,
+     r"k_cache must be a cache with at least one page \(num_pages >= 1\); got shape \(0, 4, 2, 64\)"),
+    ("zero_kv_heads", _set(k_cache=lambda a: a["k_cache"][:, :, :0], v_cache=lambda a: a["v_cache"][:, :, :0]),
+     ValueError, "k_cache must be a cache with Hkv >= 1 KV heads"),
+    ("zero_q_heads", _set(q=lambda a: a["q"][:, :, :0]), ValueError, r"q must be at least one head \(Hq >= 1\)"),
     ("out_shape", _set(out=lambda a: torch.empty(2, 1, 4, 32)), ValueError, "out must be of shape"),
     ("out_dtype", _set(out=lambda a: torch.empty(2, 1, 4, 64, dtype=torch.float16)), TypeError, "out must be of dtype"),
 ]
 
 
+WHERE = ["eager", "compiled", "inductor"]  # compiled: backend="eager" (Dynamo only); inductor: the default backend
+
+
+def _where(fn, where):
+    if where == "eager":
+        return fn
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend="eager" if where == "compiled" else "inductor")
+
+
 @pytest.mark.parametrize("name,change,exc,message", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("where", ["eager", "compiled"])
+@pytest.mark.parametrize("where", WHERE)
 def test_paged_attention_bad_input(name, change, exc, message, where):
     args, opts = _base()
     change(args, opts)
-    fn = b12x.paged_attention
-    if where == "compiled":
-        torch._dynamo.reset()
-        fn = torch.compile(b12x.paged_attention, fullgraph=True, backend="eager")
-    _raises(fn, exc, "^paged_attention: .*" + message, **args, **opts)
+    _raises(_where(b12x.paged_attention, where), exc, "^paged_attention: .*" + message, **args, **opts)
+
+
+def test_paged_attention_good_input_still_runs_in_every_where():
+    """The bad-input cases are only meaningful if the unchanged base call runs in each `where`."""
+    args, opts = _base()
+    expected = b12x.paged_attention(**args, **opts)
+    for where in WHERE[1:]:
+        torch.testing.assert_close(_where(b12x.paged_attention, where)(**args, **opts), expected)
 
 
 def test_fp8_descale_shape():
@@ -115,20 +145,27 @@ WRITE_CASES = [
      "k_cache must be of k's dtype"),
     ("scale_not_fp8", dict(k_scale=torch.tensor(1.0)), ValueError, "k_scale must be None for a cache that is not"),
     ("layout", dict(kv_layout="X"), ValueError, "kv_layout must be 'NHD' or 'HND'"),
+    ("layout_type", dict(kv_layout=None), TypeError, r"kv_layout must be 'NHD' or 'HND' \(a str\); got NoneType"),
+    ("scale_float", dict(k_scale=0.5), TypeError, "k_scale must be a torch.Tensor or None; got float 0.5"),
+    ("slots_list", dict(slot_mapping=[0, 1, 2]), TypeError, "slot_mapping must be a torch.Tensor; got list"),
+    ("zero_pages", dict(k_cache=torch.randn(0, 4, 2, 64), v_cache=torch.randn(0, 4, 2, 64)), ValueError,
+     "k_cache must be a cache with at least one page"),
+    ("zero_kv_heads", dict(k=torch.randn(3, 0, 64), v=torch.randn(3, 0, 64), k_cache=torch.randn(5, 4, 0, 64),
+                           v_cache=torch.randn(5, 4, 0, 64)), ValueError, "k_cache must be a cache with Hkv >= 1"),
 ]
 
 
-@pytest.mark.parametrize("name,change,exc,message", WRITE_CASES, ids=[c[0] for c in WRITE_CASES])
-@pytest.mark.parametrize("where", ["eager", "compiled"])
-def test_write_kv_bad_input(name, change, exc, message, where):
-    args = dict(k=torch.randn(3, 2, 64), v=torch.randn(3, 2, 64), k_cache=torch.randn(5, 4, 2, 64),
+def _write_args():
+    return dict(k=torch.randn(3, 2, 64), v=torch.randn(3, 2, 64), k_cache=torch.randn(5, 4, 2, 64),
                 v_cache=torch.randn(5, 4, 2, 64), slot_mapping=torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.parametrize("name,change,exc,message", WRITE_CASES, ids=[c[0] for c in WRITE_CASES])
+@pytest.mark.parametrize("where", WHERE)
+def test_write_kv_bad_input(name, change, exc, message, where):
+    args = _write_args()
     args.update(change)
-    fn = b12x.write_kv
-    if where == "compiled":
-        torch._dynamo.reset()
-        fn = torch.compile(b12x.write_kv, fullgraph=True, backend="eager")
-    _raises(fn, exc, "^write_kv: .*" + message, **args)
+    _raises(_where(b12x.write_kv, where), exc, "^write_kv: .*" + message, **args)
 
 
 @pytest.fixture
@@ -167,8 +204,31 @@ def test_write_kv_slot_checked_under_debug(debug):
                       torch.randn(5, 4, 2, 64), torch.tensor([3, 20]))
 
 
-def test_debug_is_off_by_default():
-    assert os.environ.get("B12X_DEBUG", "0") in ("", "0")
+@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("1", True), ("yes", True)])
+def test_debug_is_off_by_default(monkeypatch, value, on):
+    """Without B12X_DEBUG (or with it 0 or empty) no device value is checked (no host sync); any other value
+    turns the checks on. The call has a live page id out of range, which only the debug check catches."""
+    from b12x_inductor import validate
+
+    if value is None:
+        monkeypatch.delenv("B12X_DEBUG", raising=False)
+    else:
+        monkeypatch.setenv("B12X_DEBUG", value)
+    assert validate.debug_enabled() is on
+    checked = []
+
+    def check_device_values(*args):
+        checked.append(args)
+        raise ValueError("device values checked")
+
+    monkeypatch.setattr(validate, "check_device_values", check_device_values)
+    args = make_problem(batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, max_pages=4, seed=1)
+    if on:
+        with pytest.raises(ValueError, match="device values checked"):
+            b12x.paged_attention(**args)
+    else:
+        b12x.paged_attention(**args)
+    assert len(checked) == int(on)
 
 
 @pytest.mark.parametrize("name", ["cache_seqlens", "kv_start", "sinks"])

@@ -81,13 +81,43 @@ def test_out_argument_and_views_of_a_combined_cache():
     torch.testing.assert_close(out, paged_attention_reference(**args)[0], atol=2e-5, rtol=2e-5)
 
 
-def test_page_ids_past_live_length_are_never_read():
-    args = make_problem(batch=2, q_len=1, page_size=4, max_pages=6, seed=13)
-    args["cache_seqlens"] = torch.tensor([5, 9], dtype=torch.int32)
-    args["page_table"][0, 2:] = 10**6  # garbage beyond request 0's two live pages
-    args["page_table"][1, 3:] = -7
-    ref = paged_attention_reference(**args)[0]
-    torch.testing.assert_close(b12x.paged_attention(**args), ref, atol=2e-5, rtol=2e-5)
+@pytest.mark.parametrize("ids", ["nan_pages", "out_of_range"])
+# packed q joins once the torch family's packed path reads only live pages (issue 15; today it gathers the
+# whole page-table capacity, so NaN pages past a request's live pages leak into its output)
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "packed"])
+def test_page_ids_past_live_length_are_never_read(mode, ids):
+    """Page-table columns past a request's live pages hold ids of pages full of NaN (a read would show as
+    NaN in out or lse), or ids outside the pool (10**6, negative: a read would fail or wrap)."""
+    page_size = 4
+    args = make_problem(batch=2, page_size=page_size, seed=13, **{"max_pages": 6, **MODES[mode]})
+    if not args["q"].dim() == 3:  # 4-D q: lengths that leave unused columns
+        s = args["q"].shape[1]
+        args["cache_seqlens"] = torch.tensor([s + 4, s + 8], dtype=torch.int32)
+    lens, page_table = args["cache_seqlens"].tolist(), args["page_table"]
+    live_cols = [-(-n // page_size) for n in lens]
+    assert all(c < page_table.shape[1] for c in live_cols)  # every request has columns past its live pages
+    last = args["k_cache"].shape[0] - 1
+    unlisted = sorted(set(range(last)) - set(page_table.flatten().tolist()))  # make_problem leaves 3 pages out
+    page_table[page_table == last] = unlisted[0]
+    assert not (page_table == last).any()  # the last page is no one's: -1 (wrapped) lands on poison
+    live = {int(page_table[b, j]) for b in range(len(lens)) for j in range(live_cols[b])}
+    dead = [p for p in range(last + 1) if p not in live]
+    args["k_cache"][dead] = float("nan")
+    args["v_cache"][dead] = float("nan")
+    for b, cols in enumerate(live_cols):
+        if ids == "nan_pages":
+            page_table[b, cols:] = torch.tensor(dead)[torch.arange(page_table.shape[1] - cols) % len(dead)]
+            page_table[b, -1] = -1
+        else:
+            page_table[b, cols:] = 10**6 if b == 0 else -7
+    out, lse = b12x.paged_attention(**args, return_lse=True)
+    ref_out, ref_lse = paged_attention_reference(**args)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    if ids == "nan_pages":  # the poison is where a read would land: one more page per request reads NaN
+        longer = dict(args, cache_seqlens=torch.tensor([c * page_size + 1 for c in live_cols], dtype=torch.int32))
+        assert paged_attention_reference(**longer)[0].isnan().any()
 
 
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])

@@ -124,5 +124,40 @@ fp8 extend 1x16384           extend  triton splits=1   m=128 n=128 warps=8 stage
             ["decode", "verify", "verify", "extend", "extend"]
 
     def test_pure(self):
-        p = Problem(**{**BASE, "batch": 8, "q_len": 1, "max_pages": 512, **H200})
-        assert select_plan(p) == select_plan(p)
+        """select_plan reads nothing but its Problem: not the order of earlier calls, not the environment
+        (B12X_* variables), not the machine's GPU (torch.cuda is made to raise). Each of those would change a
+        plan of the table or raise here."""
+        import os
+        import random
+        from unittest import mock
+
+        rows = [dict(batch=b, q_len=s, packed=packed, max_pages=m, kv_dtype=kv, head_dim=d, num_q_heads=hq,
+                     kv_layout=layout, page_size=ps, **dev)
+                for b, s, packed, m in ((1, 1, False, 2048), (8, 1, False, 512), (64, 1, False, 128),
+                                        (8, 4, False, 512), (64, 16, False, 128), (4, 4096, False, 256),
+                                        (1, 16384, True, 1024))
+                for kv in (torch.bfloat16, torch.float8_e4m3fn)
+                for d, hq in ((128, 32), (64, 8), (256, 8))
+                for layout, ps in (("NHD", 16), ("HND", 1))
+                for dev in (H200, dict(device_type="cuda", sm_count=108, capability=(8, 0)),
+                            dict(device_type="cpu"))]
+        problems = [Problem(**{**BASE, **r}) for r in rows]
+        expected = [select_plan(p) for p in problems]
+        assert len({(e.family, e.num_splits, e.block_n) for e in expected}) > 5  # the rows do differ
+
+        def gpu_query(*args, **kwargs):
+            raise AssertionError("select_plan queried the machine's GPU")
+
+        order = list(range(len(problems)))
+        random.Random(0).shuffle(order)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("B12X")}
+        env.update(B12X_DEBUG="1", B12X_FAMILY="torch", B12X_NUM_SPLITS="3")
+        with mock.patch.dict(os.environ, env, clear=True), \
+                mock.patch.object(torch.cuda, "get_device_properties", gpu_query), \
+                mock.patch.object(torch.cuda, "is_available", gpu_query), \
+                mock.patch.object(torch.cuda, "current_device", gpu_query), \
+                mock.patch.object(torch.cuda, "device_count", gpu_query):
+            again = {i: select_plan(Problem(**{**BASE, **rows[i]})) for i in order}  # equal, not identical, Problems
+        assert [again[i] for i in range(len(problems))] == expected
+        with self.assertRaises(Exception):  # a Plan cannot be changed after the fact by whoever holds it
+            expected[0].num_splits = 99

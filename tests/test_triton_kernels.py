@@ -164,8 +164,9 @@ def test_interpreter_matches_reference(interpreter_results, name):
     assert r["ok"], r.get("error")
 
 
-def test_triton_plan_is_pure_and_sized():
-    """The Triton branch of select_plan for a CUDA problem: splits fill the SMs, scratch fits the splits."""
+def test_triton_plan_is_sized():
+    """The Triton branch of select_plan for a CUDA problem: splits fill the SMs, scratch fits the splits.
+    (That select_plan is pure: tests/test_plan.py::TestPlanTable::test_pure.)"""
     from b12x_inductor.plan import Problem, select_plan, split_scratch_bytes
 
     base = dict(batch=8, q_len=1, packed=False, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
@@ -173,7 +174,6 @@ def test_triton_plan_is_pure_and_sized():
                 device_type="cuda", sm_count=132, capability=(9, 0))
     p = Problem(**base)
     plan = select_plan(p)
-    assert plan == select_plan(Problem(**base))
     assert plan.family == "triton" and plan.mode == "decode"
     assert plan.block_m == 16 and plan.num_splits > 1
     assert plan.scratch_bytes == split_scratch_bytes(p, plan.num_splits)
