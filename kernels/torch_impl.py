@@ -1,61 +1,55 @@
 """The vectorized torch implementation of the entry ops: the "torch" kernel family.
 
-It runs everywhere (CPU in CI, CUDA where no kernel family supports a problem): gather the pages of the
-page table, one batched matmul per query chunk, the masks of the semantics, softmax with sinks. It reads
-the whole page-table capacity, not just the live keys, so it is for correctness, not speed. No host sync:
-lengths stay on the device.
+It runs everywhere (CPU in CI, CUDA where no kernel family supports a problem). Both q forms go the same
+way, FlashAttention-style: the queries are cut into tiles of one request each (a device-side tile-to-request
+map, as the Triton extend kernel has, so packed q shares each key tile between the rows of a tile as 4-D q
+does), a chunk of tiles at a time gathers one tile of keys and values from the pages, and an online softmax
+runs over the key tiles. Memory beyond the inputs and outputs is O(chunk of tiles x key tile), whatever T,
+S or the page-table capacity.
+
+Unused slots (pages no request lists, the tail of the last live page, slots before kv_start or before the
+window) may hold anything, NaN and Inf included: keys and values a tile's rows do not see are replaced by
+zeros before any product, and the logits of the keys one row does not see by -inf.
+
+No host sync on CUDA: the loops cover the page-table capacity and a static tile count. On CPU (where reading
+a device value costs nothing) the exact tile count and the key range each chunk sees are read on the host,
+so dead tiles and key tiles past the live lengths or before the window are skipped.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from b12x_inductor.validate import cache_dims
 
-_CHUNK = 256  # query rows (4D q) or tokens (packed q) per batched matmul, to bound memory
+_MAX_BLOCK_M = 64  # query rows per tile (of one request)
+_MAX_BLOCK_N = 512  # keys per key tile
+HOST_BOUNDS = True  # on CPU, read the tile count and key ranges on the host (tests turn it off: the CUDA path)
+_BUDGET = 1 << 22  # floats per chunk for each of the gathered keys, values and logits (16 MB each)
 
 
-def _gather(cache: torch.Tensor, pages: torch.Tensor, kv_layout: str) -> torch.Tensor:
-    """[N, P] page ids -> fp32 [N, P * page_size, Hkv, D]."""
-    g = cache[pages]  # NHD: [N, P, ps, Hkv, D]; HND: [N, P, Hkv, ps, D]
-    if kv_layout == "HND":
-        g = g.transpose(2, 3)
-    n, p, ps, h, d = g.shape
-    return g.reshape(n, p * ps, h, d).float()
+def _rows_per_tile(rows_per_request: float) -> int:
+    """A power of two <= _MAX_BLOCK_M near the mean rows per request (bounds padding waste to about 2x)."""
+    bm = 1
+    while bm * 2 <= min(_MAX_BLOCK_M, rows_per_request):
+        bm *= 2
+    return bm
 
 
-def _descale(descale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """fp32 factors broadcastable to [N, L, Hkv, D] for rows that belong to requests `rows`."""
+def _gather(cache: torch.Tensor, page: torch.Tensor, off: torch.Tensor, heads: torch.Tensor,
+            kv_layout: str) -> torch.Tensor:
+    """page [N, 1, n], off [1, 1, n], heads [1, Hkv, 1] -> [N, Hkv, n, D] in the cache's dtype."""
+    return cache[page, off, heads] if kv_layout == "NHD" else cache[page, heads, off]
+
+
+def _descale(descale: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
+    """fp32 factors broadcastable to [N, Hkv, n, D] for tiles of requests `req` [N]."""
     if descale.dim() == 0:
-        return descale
-    d = descale[rows]
-    return d[:, None, None, None] if d.dim() == 1 else d[:, None, :, None]
-
-
-def _attend(q, keys, vals, limit, start, length, *, causal, scale, window_left, sinks, softcap):
-    """q [N, M, Hkv, G, D]; keys/vals [N, L, Hkv, D]; limit [N, M]; start, length [N] -> out, lse."""
-    logits = torch.einsum("nmhgd,nlhd->nmhgl", q, keys) * scale
-    if softcap > 0:
-        logits = softcap * torch.tanh(logits / softcap)
-    pos = torch.arange(keys.shape[1], device=q.device)
-    lim = limit[:, :, None]
-    visible = pos >= start[:, None, None]
-    visible = visible & ((pos <= lim) if causal else (pos < length[:, None, None]))
-    if window_left >= 0:
-        visible = visible & (pos >= lim - window_left)
-    visible = visible[:, :, None, None, :]  # [N, M, 1, 1, L]
-    logits = logits.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        hkv, g = q.shape[2], q.shape[3]
-        sink = sinks.float().reshape(1, 1, hkv, g, 1).expand(*logits.shape[:-1], 1)
-        lse = torch.logsumexp(torch.cat([logits, sink], dim=-1), dim=-1)
-    else:
-        lse = torch.logsumexp(logits, dim=-1)
-    any_visible = visible.any(-1)  # [N, M, 1, 1]
-    lse = torch.where(any_visible, lse, float("-inf"))
-    probs = torch.exp(logits - torch.where(any_visible, lse, 0.0)[..., None])
-    out = torch.einsum("nmhgl,nlhd->nmhgd", probs, vals)
-    return out, lse
+        return descale.float()
+    d = descale.float()[req]
+    return d[:, None, None, None] if d.dim() == 1 else d[:, :, None, None]
 
 
 def paged_attention_torch(
@@ -67,68 +61,168 @@ def paged_attention_torch(
     hq, d = q.shape[-2], q.shape[-1]
     page_size, hkv = cache_dims(k_cache.shape, kv_layout)
     g = hq // hkv
+    dev = q.device
+    host = dev.type == "cpu" and HOST_BOUNDS  # device values may be read on the host for free
+    cap = max_pages * page_size
     lengths = cache_seqlens.long()
     starts = torch.zeros_like(lengths) if kv_start is None else kv_start.long()
-    # Pages past each request's live length may hold anything: read page 0 there instead (masked anyway).
-    live_page = torch.arange(max_pages, device=q.device)[None, :] * page_size < lengths[:, None]
+    # Pages past each request's live length may hold any id: read page 0 there instead (masked anyway).
+    live_page = torch.arange(max_pages, device=dev)[None, :] * page_size < lengths[:, None]
     pages = torch.where(live_page, page_table.long(), 0)
-    opts = dict(causal=causal, scale=scale, window_left=window_left, sinks=sinks, softcap=softcap)
 
     if q.dim() == 4:
         s = q.shape[1]
-        keys, vals = _gather(k_cache, pages, kv_layout), _gather(v_cache, pages, kv_layout)
-        all_rows = torch.arange(batch, device=q.device)
-        if k_descale is not None:
-            keys = keys * _descale(k_descale, all_rows)
-        if v_descale is not None:
-            vals = vals * _descale(v_descale, all_rows)
-        for i0 in range(0, s, _CHUNK):
-            i1 = min(s, i0 + _CHUNK)
-            qc = q[:, i0:i1].float().reshape(batch, i1 - i0, hkv, g, d)
-            limit = lengths[:, None] - s + torch.arange(i0, i1, device=q.device)[None, :]
-            o, l = _attend(qc, keys, vals, limit, starts, lengths, **opts)
-            out[:, i0:i1] = o.reshape(batch, i1 - i0, hq, d).to(out.dtype)
-            lse[:, i0:i1] = l.reshape(batch, i1 - i0, hq)
+        total = batch * s
+        qf = None  # rows gathered as q[token // s, token % s]: no copy of a strided q
+        outf = out.view(total, hq, d)
+        lsef = lse.view(total, hq)
+        cu = torch.arange(batch + 1, device=dev) * s
+        bm = _rows_per_tile(s)
+        num_tiles = batch * math.ceil(s / bm)
+    else:
+        total = q.shape[0]
+        qf, outf, lsef = q, out, lse
+        cu = cu_seqlens_q.long()
+        bm = _rows_per_tile(total / max(batch, 1))
+        num_tiles = min(batch * math.ceil(total / bm), (total + batch * (bm - 1)) // bm)
+    # Rows accumulate into zeros (a dead row of a tile adds zeros to row 0); rows no request owns end at -inf.
+    out.zero_()
+    lse.zero_()
+    owned = torch.arange(total, device=dev)
+    owned = (owned >= cu[0]) & (owned < cu[-1])
+    lse.masked_fill_(~owned.reshape(lse.shape[:-1])[..., None], float("-inf"))
+    if total == 0 or batch == 0:
         return
 
-    cu = cu_seqlens_q.long()
-    total = q.shape[0]
-    for t0 in range(0, total, _CHUNK):
-        t1 = min(total, t0 + _CHUNK)
-        tok = torch.arange(t0, t1, device=q.device)
-        req = torch.searchsorted(cu[1:], tok, right=True)  # == batch for padding rows
-        live = req < batch
-        req = req.clamp(max=batch - 1)
-        keys, vals = _gather(k_cache, pages[req], kv_layout), _gather(v_cache, pages[req], kv_layout)
-        if k_descale is not None:
-            keys = keys * _descale(k_descale, req)
-        if v_descale is not None:
-            vals = vals * _descale(v_descale, req)
-        num_new = cu[req + 1] - cu[req]
-        limit = (lengths[req] - num_new + (tok - cu[req]))[:, None]
-        qc = q[t0:t1].float().reshape(t1 - t0, 1, hkv, g, d)
-        o, l = _attend(qc, keys, vals, limit, starts[req], lengths[req], **opts)
-        o = torch.where(live[:, None, None], o.reshape(t1 - t0, hq, d), 0.0)
-        l = torch.where(live[:, None], l.reshape(t1 - t0, hq), float("-inf"))
-        out[t0:t1] = o.to(out.dtype)
-        lse[t0:t1] = l
+    # The tile map: request b's n_b rows make ceil(n_b / bm) tiles; tile i belongs to request tile_req[i].
+    num_new = (cu[1:] - cu[:-1]).clamp(min=0)
+    tiles_per_req = (num_new + bm - 1) // bm
+    tile_end = torch.cumsum(tiles_per_req, 0)
+    if host:
+        num_tiles = min(num_tiles, int(tile_end[-1]))
+    if num_tiles == 0:
+        return
+    tile_ids = torch.arange(num_tiles, device=dev)
+    tile_req = torch.searchsorted(tile_end, tile_ids, right=True)  # == batch for dead tiles
+    tile_live = tile_req < batch
+    tile_req = tile_req.clamp(max=batch - 1)
+    tile_first = (tile_ids - (tile_end - tiles_per_req)[tile_req]) * bm  # first row among the request's new ones
+    row_in_req = tile_first[:, None] + torch.arange(bm, device=dev)[None, :]  # [num_tiles, bm]
+    n_req = num_new[tile_req]
+    row_live = tile_live[:, None] & (row_in_req < n_req[:, None])
+    token = cu[tile_req][:, None] + row_in_req
+    row_live &= (token >= 0) & (token < total)
+    token = torch.where(row_live, token, 0)
+    length = lengths[tile_req]
+    start = starts[tile_req]
+    limit = length[:, None] - n_req[:, None] + row_in_req  # causal limit of each row [num_tiles, bm]
+    # The keys some live row of the tile may see: [lo, hi).
+    last_row = torch.minimum(tile_first + bm, n_req) - 1
+    hi = torch.minimum(length, length - n_req + last_row + 1) if causal else length
+    lo = start
+    if window_left >= 0:
+        lo = torch.maximum(lo, length - n_req + tile_first - window_left)
+    hi = torch.where(tile_live, hi, 0)
+
+    block_n = max(1, min(_MAX_BLOCK_N, cap))
+    per_tile = max(block_n * hkv * d, hq * bm * block_n, hq * bm * d)
+    chunk = max(1, _BUDGET // per_tile)
+    heads = torch.arange(hkv, device=dev)[None, :, None]
+    sink = None if sinks is None else sinks.float().reshape(1, hkv, g)
+
+    for c0 in range(0, num_tiles, chunk):
+        c1 = min(num_tiles, c0 + chunk)
+        n = c1 - c0
+        req, tok, live = tile_req[c0:c1], token[c0:c1], row_live[c0:c1]
+        lim, t_lo, t_hi, t_len, t_start = limit[c0:c1], lo[c0:c1], hi[c0:c1], length[c0:c1], start[c0:c1]
+        j_begin, j_end = 0, cap
+        if host:
+            j_end = min(cap, max(0, int(t_hi.max())))
+            j_begin = min(j_end, max(0, int(t_lo.min())))
+            j_begin -= j_begin % block_n  # key tiles aligned as without the host
+        # [n, Hkv, bm * G, D]: row r, group member gi at r * G + gi
+        flat = tok.reshape(-1)
+        qt = (q[flat // q.shape[1], flat % q.shape[1]] if qf is None else qf[flat]).float()
+        qt = qt.reshape(n, bm, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(n, hkv, bm * g, d)
+        m_i = torch.full((n, hkv, bm * g), float("-inf"), device=dev)
+        l_i = torch.zeros((n, hkv, bm * g), device=dev)
+        acc = torch.zeros((n, hkv, bm * g, d), device=dev)
+        tile_pages = pages[req][:, None, :]  # [n, 1, max_pages]
+        for j0 in range(j_begin, j_end, block_n):
+            j = torch.arange(j0, min(j_end, j0 + block_n), device=dev)
+            bn = j.shape[0]
+            page, off = tile_pages[:, :, j // page_size], (j % page_size)[None, None, :]
+            seen = (j[None, :] >= t_lo[:, None]) & (j[None, :] < t_hi[:, None])  # [n, bn]
+            seen4 = seen[:, None, :, None]
+            # [n, Hkv, bn, D]; keys and values no row of the tile sees become zeros before any product
+            keys = torch.where(seen4, _gather(k_cache, page, off, heads, kv_layout), 0).float()
+            vals = torch.where(seen4, _gather(v_cache, page, off, heads, kv_layout), 0).float()
+            if k_descale is not None:
+                keys = keys * _descale(k_descale, req)
+            if v_descale is not None:
+                vals = vals * _descale(v_descale, req)
+            logits = torch.matmul(qt, keys.transpose(-1, -2)) * scale  # [n, Hkv, bm * G, bn]
+            if softcap > 0:
+                logits = softcap * torch.tanh(logits / softcap)
+            jj = j[None, None, :]
+            vis = seen[:, None, :] & (jj >= t_start[:, None, None])
+            vis = vis & ((jj <= lim[:, :, None]) if causal else (jj < t_len[:, None, None]))
+            if window_left >= 0:
+                vis = vis & (jj >= lim[:, :, None] - window_left)
+            hidden = ~vis[:, None, :, None, :]  # [n, 1, bm, 1, bn] or [n, 1, 1, 1, bn]
+            logits.view(n, hkv, bm, g, bn).masked_fill_(hidden, float("-inf"))
+            m_new = torch.maximum(m_i, logits.amax(-1))
+            m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+            alpha = torch.exp(m_i - m_safe)
+            p = torch.exp(logits - m_safe[..., None])
+            l_i = l_i * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + torch.matmul(p, vals)
+            m_i = m_new
+        seen_any = ~torch.isneginf(m_i)
+        l_safe = torch.where(seen_any, l_i, 1.0)
+        row_lse = m_i + torch.log(l_safe)
+        o = acc / l_safe[..., None]
+        if sink is not None:
+            with_sink = torch.logaddexp(row_lse, sink.reshape(1, hkv, 1, g).expand(n, hkv, bm, g).reshape(n, hkv, bm * g))
+            o = o * torch.exp(row_lse - with_sink)[..., None]
+            row_lse = with_sink
+        o = torch.where(seen_any[..., None], o, 0.0)
+        row_lse = torch.where(seen_any, row_lse, float("-inf"))
+        # back to [n * bm, Hq(, D)] and into the rows' places; dead rows add zeros to row 0 and skip lse
+        o = o.reshape(n, hkv, bm, g, d).permute(0, 2, 1, 3, 4).reshape(n * bm, hq, d)
+        row_lse = row_lse.reshape(n, hkv, bm, g).permute(0, 2, 1, 3).reshape(n * bm, hq)
+        flat_live = live.reshape(-1)
+        o = torch.where(flat_live[:, None, None], o, 0.0).to(outf.dtype)
+        outf.index_put_((tok.reshape(-1),), o, accumulate=True)
+        lsef.index_put_((tok.reshape(-1),), torch.where(flat_live[:, None], row_lse, 0.0), accumulate=True)
 
 
 def write_kv_torch(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, v_scale) -> None:
     """Scatters k, v [N, Hkv, D] into their slots in place; slots < 0 are skipped without a host sync.
 
-    A skipped token rewrites the slot (and value) of the first kept token, so every index_put_ target gets
-    one value however often it repeats; when no token is kept, slot 0 gets its own value back.
+    Duplicate slots: the last kept token wins (as in write_kv_reference), wherever skipped tokens sit. Every
+    token that targets a slot carries that slot's winner (found with a stable sort of the slots), and a
+    skipped token rewrites the first kept token's slot with the same winner, so every index_put_ target gets
+    one value however often it repeats and whatever order the writes land in; when no token is kept, slot 0
+    gets its own value back.
     """
     page_size, _ = cache_dims(k_cache.shape, kv_layout)
     n = slot_mapping.shape[0]
     if n == 0:
         return
+    slot_mapping = slot_mapping.long()
+    idx = torch.arange(n, device=k.device)
     keep = slot_mapping >= 0
     any_keep = keep.any()
+    sorted_slots, order = torch.sort(torch.where(keep, slot_mapping, -1), stable=True)
+    # position p ends its group of equal slots iff the next one differs; the group's last (latest token) wins
+    ends = torch.ones(n, dtype=torch.bool, device=k.device)
+    ends[:-1] = sorted_slots[1:] != sorted_slots[:-1]
+    group_end = torch.where(ends, idx, n).flip(0).cummin(0).values.flip(0)
+    winner = torch.empty_like(idx).scatter_(0, order, order[group_end])  # winner[t]: token whose row t writes
     first = torch.argmax(keep.to(torch.int32))
-    src = torch.where(keep, torch.arange(n, device=k.device), first)
-    slots = torch.where(any_keep, slot_mapping[src], 0)
+    src = torch.where(keep, winner, winner[first])
+    slots = torch.where(any_keep, torch.where(keep, slot_mapping, slot_mapping[first]), 0)
     page, off = slots // page_size, slots % page_size
     for cache, x, sc in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
         view = cache if kv_layout == "NHD" else cache.transpose(1, 2)  # [num_pages, page_size, Hkv, D]
