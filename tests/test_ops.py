@@ -82,9 +82,7 @@ def test_out_argument_and_views_of_a_combined_cache():
 
 
 @pytest.mark.parametrize("ids", ["nan_pages", "out_of_range"])
-# packed q joins once the torch family's packed path reads only live pages (issue 15; today it gathers the
-# whole page-table capacity, so NaN pages past a request's live pages leak into its output)
-@pytest.mark.parametrize("mode", [m for m in MODES if m != "packed"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_page_ids_past_live_length_are_never_read(mode, ids):
     """Page-table columns past a request's live pages hold ids of pages full of NaN (a read would show as
     NaN in out or lse), or ids outside the pool (10**6, negative: a read would fail or wrap)."""
