@@ -77,7 +77,7 @@ def paged_attention_torch(
         outf = out.view(total, hq, d)
         lsef = lse.view(total, hq)
         cu = torch.arange(batch + 1, device=dev) * s
-        bm = _rows_per_tile(s)
+        bm = min(s, _MAX_BLOCK_M)
         num_tiles = batch * math.ceil(s / bm)
     else:
         total = q.shape[0]
@@ -85,44 +85,55 @@ def paged_attention_torch(
         cu = cu_seqlens_q.long()
         bm = _rows_per_tile(total / max(batch, 1))
         num_tiles = min(batch * math.ceil(total / bm), (total + batch * (bm - 1)) // bm)
-    # Rows accumulate into zeros (a dead row of a tile adds zeros to row 0); rows no request owns end at -inf.
-    out.zero_()
-    lse.zero_()
-    owned = torch.arange(total, device=dev)
-    owned = (owned >= cu[0]) & (owned < cu[-1])
-    lse.masked_fill_(~owned.reshape(lse.shape[:-1])[..., None], float("-inf"))
+    # identity: 4-D q of at most _MAX_BLOCK_M rows, one tile per request, written in place. Otherwise rows
+    # accumulate into zeros (a dead row of a tile adds zeros to row 0) and rows no request owns end at -inf.
+    identity = q.dim() == 4 and bm == q.shape[1]
+    if not identity:
+        out.zero_()
+        lse.zero_()
+        owned = torch.arange(total, device=dev)
+        owned = (owned >= cu[0]) & (owned < cu[-1])
+        lse.masked_fill_(~owned.reshape(lse.shape[:-1])[..., None], float("-inf"))
     if total == 0 or batch == 0:
         return
 
-    # The tile map: request b's n_b rows make ceil(n_b / bm) tiles; tile i belongs to request tile_req[i].
-    num_new = (cu[1:] - cu[:-1]).clamp(min=0)
-    tiles_per_req = (num_new + bm - 1) // bm
-    tile_end = torch.cumsum(tiles_per_req, 0)
-    if host:
-        num_tiles = min(num_tiles, int(tile_end[-1]))
-    if num_tiles == 0:
-        return
-    tile_ids = torch.arange(num_tiles, device=dev)
-    tile_req = torch.searchsorted(tile_end, tile_ids, right=True)  # == batch for dead tiles
-    tile_live = tile_req < batch
-    tile_req = tile_req.clamp(max=batch - 1)
-    tile_first = (tile_ids - (tile_end - tiles_per_req)[tile_req]) * bm  # first row among the request's new ones
-    row_in_req = tile_first[:, None] + torch.arange(bm, device=dev)[None, :]  # [num_tiles, bm]
-    n_req = num_new[tile_req]
-    row_live = tile_live[:, None] & (row_in_req < n_req[:, None])
-    token = cu[tile_req][:, None] + row_in_req
-    row_live &= (token >= 0) & (token < total)
-    token = torch.where(row_live, token, 0)
-    length = lengths[tile_req]
-    start = starts[tile_req]
-    limit = length[:, None] - n_req[:, None] + row_in_req  # causal limit of each row [num_tiles, bm]
-    # The keys some live row of the tile may see: [lo, hi).
-    last_row = torch.minimum(tile_first + bm, n_req) - 1
-    hi = torch.minimum(length, length - n_req + last_row + 1) if causal else length
-    lo = start
-    if window_left >= 0:
-        lo = torch.maximum(lo, length - n_req + tile_first - window_left)
-    hi = torch.where(tile_live, hi, 0)
+    if identity:  # tile b is request b's s rows
+        tile_req = torch.arange(batch, device=dev)
+        length, start = lengths, starts
+        limit = length[:, None] - bm + torch.arange(bm, device=dev)[None, :]
+        lo = start if window_left < 0 else torch.maximum(start, length - bm - window_left)
+        hi = length
+        token = row_live = None
+    else:
+        # The tile map: request b's n_b rows make ceil(n_b / bm) tiles; tile i belongs to request tile_req[i].
+        num_new = (cu[1:] - cu[:-1]).clamp(min=0)
+        tiles_per_req = (num_new + bm - 1) // bm
+        tile_end = torch.cumsum(tiles_per_req, 0)
+        if host:
+            num_tiles = min(num_tiles, int(tile_end[-1]))
+        if num_tiles == 0:
+            return
+        tile_ids = torch.arange(num_tiles, device=dev)
+        tile_req = torch.searchsorted(tile_end, tile_ids, right=True)  # == batch for dead tiles
+        tile_live = tile_req < batch
+        tile_req = tile_req.clamp(max=batch - 1)
+        tile_first = (tile_ids - (tile_end - tiles_per_req)[tile_req]) * bm  # first row among the request's
+        row_in_req = tile_first[:, None] + torch.arange(bm, device=dev)[None, :]  # [num_tiles, bm]
+        n_req = num_new[tile_req]
+        row_live = tile_live[:, None] & (row_in_req < n_req[:, None])
+        token = cu[tile_req][:, None] + row_in_req
+        row_live &= (token >= 0) & (token < total)
+        token = torch.where(row_live, token, 0)
+        length = lengths[tile_req]
+        start = starts[tile_req]
+        limit = length[:, None] - n_req[:, None] + row_in_req  # causal limit of each row [num_tiles, bm]
+        # The keys some live row of the tile may see: [lo, hi).
+        last_row = torch.minimum(tile_first + bm, n_req) - 1
+        hi = torch.minimum(length, length - n_req + last_row + 1) if causal else length
+        lo = start
+        if window_left >= 0:
+            lo = torch.maximum(lo, length - n_req + tile_first - window_left)
+        hi = torch.where(tile_live, hi, 0)
 
     block_n = max(1, min(_MAX_BLOCK_N, cap))
     per_tile = max(block_n * hkv * d, hq * bm * block_n, hq * bm * d)
@@ -133,16 +144,20 @@ def paged_attention_torch(
     for c0 in range(0, num_tiles, chunk):
         c1 = min(num_tiles, c0 + chunk)
         n = c1 - c0
-        req, tok, live = tile_req[c0:c1], token[c0:c1], row_live[c0:c1]
-        lim, t_lo, t_hi, t_len, t_start = limit[c0:c1], lo[c0:c1], hi[c0:c1], length[c0:c1], start[c0:c1]
+        req = tile_req[c0:c1]
+        lim, t_lo, t_hi = limit[c0:c1], lo[c0:c1], hi[c0:c1]
         j_begin, j_end = 0, cap
         if host:
             j_end = min(cap, max(0, int(t_hi.max())))
             j_begin = min(j_end, max(0, int(t_lo.min())))
             j_begin -= j_begin % block_n  # key tiles aligned as without the host
         # [n, Hkv, bm * G, D]: row r, group member gi at r * G + gi
-        flat = tok.reshape(-1)
-        qt = (q[flat // q.shape[1], flat % q.shape[1]] if qf is None else qf[flat]).float()
+        if identity:
+            qt = q[c0:c1].float()
+        else:
+            tok, live = token[c0:c1], row_live[c0:c1]
+            flat = tok.reshape(-1)
+            qt = (q[flat // q.shape[1], flat % q.shape[1]] if qf is None else qf[flat]).float()
         qt = qt.reshape(n, bm, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(n, hkv, bm * g, d)
         m_i = torch.full((n, hkv, bm * g), float("-inf"), device=dev)
         l_i = torch.zeros((n, hkv, bm * g), device=dev)
@@ -165,14 +180,15 @@ def paged_attention_torch(
             if softcap > 0:
                 logits = softcap * torch.tanh(logits / softcap)
             jj = j[None, None, :]
-            vis = seen[:, None, :] & (jj >= t_start[:, None, None])
-            vis = vis & ((jj <= lim[:, :, None]) if causal else (jj < t_len[:, None, None]))
+            vis = seen[:, None, :]  # [lo, hi) is inside [kv_start, length)
+            if causal:
+                vis = vis & (jj <= lim[:, :, None])
             if window_left >= 0:
                 vis = vis & (jj >= lim[:, :, None] - window_left)
             hidden = ~vis[:, None, :, None, :]  # [n, 1, bm, 1, bn] or [n, 1, 1, 1, bn]
             logits.view(n, hkv, bm, g, bn).masked_fill_(hidden, float("-inf"))
             m_new = torch.maximum(m_i, logits.amax(-1))
-            m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+            m_safe = m_new.clamp(min=-1e30)  # a row that sees nothing yet: exp(-inf - m_safe) = 0
             alpha = torch.exp(m_i - m_safe)
             p = torch.exp(logits - m_safe[..., None])
             l_i = l_i * alpha + p.sum(-1)
@@ -183,7 +199,8 @@ def paged_attention_torch(
         row_lse = m_i + torch.log(l_safe)
         o = acc / l_safe[..., None]
         if sink is not None:
-            with_sink = torch.logaddexp(row_lse, sink.reshape(1, hkv, 1, g).expand(n, hkv, bm, g).reshape(n, hkv, bm * g))
+            sink_rows = sink.reshape(1, hkv, 1, g).expand(n, hkv, bm, g).reshape(n, hkv, bm * g)
+            with_sink = torch.logaddexp(row_lse, sink_rows)
             o = o * torch.exp(row_lse - with_sink)[..., None]
             row_lse = with_sink
         o = torch.where(seen_any[..., None], o, 0.0)
@@ -191,6 +208,10 @@ def paged_attention_torch(
         # back to [n * bm, Hq(, D)] and into the rows' places; dead rows add zeros to row 0 and skip lse
         o = o.reshape(n, hkv, bm, g, d).permute(0, 2, 1, 3, 4).reshape(n * bm, hq, d)
         row_lse = row_lse.reshape(n, hkv, bm, g).permute(0, 2, 1, 3).reshape(n * bm, hq)
+        if identity:
+            outf.view(batch, bm, hq, d)[c0:c1] = o.reshape(n, bm, hq, d).to(outf.dtype)
+            lsef.view(batch, bm, hq)[c0:c1] = row_lse.reshape(n, bm, hq)
+            continue
         flat_live = live.reshape(-1)
         o = torch.where(flat_live[:, None, None], o, 0.0).to(outf.dtype)
         outf.index_put_((tok.reshape(-1),), o, accumulate=True)
