@@ -156,10 +156,11 @@ def _no_grad_kernel(name: str, op: str, tensor_args: tuple[str, ...]):
     positional = [a.name for a in overload._schema.arguments if not a.kwarg_only]
 
     def kernel(keyset, *args, **kwargs):
+        from b12x_inductor.lowering._inductor import redispatch_below_autograd  # after the imports: no cycle
+
         named = dict(zip(positional, args), **kwargs)
         validate.check_no_grad(op, {a: named.get(a) for a in tensor_args})
-        with torch._C._AutoDispatchBelowAutograd():
-            return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+        return redispatch_below_autograd(overload, keyset, *args, **kwargs)
 
     _lib.impl(name, kernel, "Autograd", with_keyset=True)
 

@@ -1,4 +1,5 @@
-"""Every private Inductor API the project uses, in one small module (tested on torch 2.11 and 2.13).
+"""Every private torch API the project uses (Inductor's, and one of the dispatcher's), in one small module
+(tested on torch 2.11 and 2.13).
 
 - `register_lowering(op, fn)`: `user_lowerings` where it exists (2.12+), else the global `lowerings`.
 - `empty(size, dtype, device)`: an Inductor-allocated buffer (from the CUDA-graph pool under cudagraphs).
@@ -7,6 +8,8 @@
 - `install_graph_pass(p)`: add a CustomGraphPass to post_grad_custom_pre_pass (a list from 2.13, one
   pass before), so its uuid() enters Inductor's FX graph cache key.
 - `fake_mode_of(values)`: the FakeTensorMode behind a graph's metadata (to give new nodes their "val").
+- `redispatch_below_autograd(overload, keyset, *args, **kwargs)`: what an Autograd kernel registered
+  with_keyset=True calls after its checks (the ops' no-backward kernels in ops.py).
 """
 
 from __future__ import annotations
@@ -71,3 +74,9 @@ def fake_mode_of(values):
     from torch._guards import detect_fake_mode
 
     return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+
+
+def redispatch_below_autograd(overload: torch._ops.OpOverload, keyset, *args, **kwargs):
+    """Calls `overload` with the dispatch keys below Autograd: outputs claim no gradient."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
