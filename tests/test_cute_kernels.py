@@ -100,7 +100,8 @@ def test_select_plan_picks_cute_only_where_installed_and_faster(monkeypatch):
         assert plan_mod.select_plan(p).family == "cute"
     # never where it does not apply, installed or not
     assert plan_mod.select_plan(_problem(q_len=64, kv_dtype=F8)).family == "triton"
-    assert plan_mod.select_plan(_problem(capability=(8, 0))).family == "torch"
+    assert plan_mod.select_plan(_problem(capability=(8, 0))).family == "triton"  # CuTe: sm90 only
+    assert plan_mod.select_plan(_problem(capability=(10, 0), kv_dtype=F8)).family == "triton"
     assert plan_mod.select_plan(_problem(head_dim=96)).family == "triton"
 
 

@@ -43,6 +43,29 @@ def table() -> str:
     return "\n".join(rows)
 
 
+# Other GPUs (compiled in CI for their targets, tests/test_triton_compile_targets.py; not run): the same tiles as
+# sm90, the split count from their SM count; float8 caches take the torch family before sm89.
+GPUS = dict(a100=dict(device_type="cuda", sm_count=108, capability=(8, 0)),
+            l40=dict(device_type="cuda", sm_count=142, capability=(8, 9)),
+            b200=dict(device_type="cuda", sm_count=148, capability=(10, 0)),
+            rtx5090=dict(device_type="cuda", sm_count=170, capability=(12, 0)),
+            spark=dict(device_type="cuda", sm_count=48, capability=(12, 1)))
+
+
+def table_other_gpus() -> str:
+    f8 = torch.float8_e4m3fn
+    rows = []
+    for name, dev in GPUS.items():
+        rows += [
+            _row(f"{name} decode 8x8192", batch=8, q_len=1, max_pages=512, **dev),
+            _row(f"{name} decode fp8 32x4096", batch=32, q_len=1, max_pages=256, kv_dtype=f8, **dev),
+            _row(f"{name} verify 8x8192 S=4", batch=8, q_len=4, max_pages=512, **dev),
+            _row(f"{name} extend 4x4096", batch=4, q_len=4096, max_pages=256, **dev),
+            _row(f"{name} extend fp8 1x16384", batch=1, q_len=16384, max_pages=1024, kv_dtype=f8, **dev),
+        ]
+    return "\n".join(rows)
+
+
 def table_cute() -> str:
     """The rows where the CuTe family is in question, as select_plan decides with nvidia-cutlass-dsl installed."""
     f8 = torch.float8_e4m3fn
@@ -90,6 +113,39 @@ h200 verify 64x2048 S=16     verify  triton splits=2   m=64  n=64  warps=8 stage
 h200 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 h200 packed T=16384          extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 h200 extend D=256            extend  triton splits=1   m=64  n=32  warps=4 stages=2 scratch=0""")
+
+    def test_table_other_gpus(self):
+        from unittest import mock
+
+        from b12x_inductor.kernels import cute
+
+        with mock.patch.object(cute, "available", lambda: True):  # installed or not: CuTe is sm90 only
+            self.assertExpectedInline(table_other_gpus(), """\
+a100 decode 8x8192           decode  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=1056768
+a100 decode fp8 32x4096      decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+a100 verify 8x8192 S=4       verify  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=4227072
+a100 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
+a100 extend fp8 1x16384      extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
+l40 decode 8x8192            decode  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=2113536
+l40 decode fp8 32x4096       decode  triton splits=4   m=16  n=128 warps=4 stages=2 scratch=2113536
+l40 verify 8x8192 S=4        verify  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=8454144
+l40 extend 4x4096            extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
+l40 extend fp8 1x16384       extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
+b200 decode 8x8192           decode  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=2113536
+b200 decode fp8 32x4096      decode  triton splits=4   m=16  n=128 warps=4 stages=2 scratch=2113536
+b200 verify 8x8192 S=4       verify  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=8454144
+b200 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
+b200 extend fp8 1x16384      extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
+rtx5090 decode 8x8192        decode  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=2113536
+rtx5090 decode fp8 32x4096   decode  triton splits=4   m=16  n=128 warps=4 stages=2 scratch=2113536
+rtx5090 verify 8x8192 S=4    verify  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=8454144
+rtx5090 extend 4x4096        extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
+rtx5090 extend fp8 1x16384   extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
+spark decode 8x8192          decode  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=528384
+spark decode fp8 32x4096     decode  triton splits=1   m=16  n=128 warps=4 stages=2 scratch=0
+spark verify 8x8192 S=4      verify  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=2113536
+spark extend 4x4096          extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
+spark extend fp8 1x16384     extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0""")
 
     def test_table_with_cute_installed(self):
         from unittest import mock

@@ -182,8 +182,16 @@ def test_triton_plan_is_sized():
     extend = select_plan(Problem(**{**base, "q_len": 64}))
     assert extend.mode == "extend" and extend.scratch_bytes == 0
     assert select_plan(Problem(**{**base, "device_type": "cpu", "sm_count": 0})).family == "torch"
-    # fail closed: GPUs the GPU tests have not passed on, and q dtypes the kernels do not take, run torch
-    assert select_plan(Problem(**{**base, "capability": (8, 0)})).family == "torch"
+    # every CUDA GPU from sm80 on; float8 caches from sm89 on (sm80-87 have no native e4m3: torch family)
+    for cap in ((8, 0), (8, 6), (8, 9), (10, 0), (12, 0), (12, 1)):
+        assert select_plan(Problem(**{**base, "capability": cap})).family == "triton"
+    for cap in ((8, 0), (8, 6), (8, 7)):
+        assert select_plan(Problem(**{**base, "capability": cap, "kv_dtype": torch.float8_e4m3fn})).family == "torch"
+    for cap in ((8, 9), (10, 0), (12, 0)):
+        assert select_plan(Problem(**{**base, "capability": cap, "kv_dtype": torch.float8_e4m3fn})).family == "triton"
+    # fail closed: GPUs before sm80 or past what Triton targets, and q dtypes the kernels do not take, run torch
+    assert select_plan(Problem(**{**base, "capability": (7, 5)})).family == "torch"
+    assert select_plan(Problem(**{**base, "capability": (13, 0)})).family == "torch"
     assert select_plan(Problem(**{**base, "q_dtype": torch.float32, "kv_dtype": torch.float32})).family == "torch"
     assert select_plan(Problem(**{**base, "kv_dtype": torch.float8_e4m3fn})).family == "triton"
 

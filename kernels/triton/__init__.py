@@ -24,18 +24,29 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-# Compute capabilities the GPU tests (tests/test_triton_kernels.py -m gpu) have passed on. The kernels are
-# plain Triton (sm80+, float8 sm89+); add a capability here once those tests pass on it.
+# Compute capabilities the GPU tests (tests/test_triton_kernels.py -m gpu) have run and passed on: the H200.
 VERIFIED_CAPABILITIES = frozenset({(9, 0)})
+# The kernels are plain Triton, so they run on every CUDA GPU Triton generates code for from sm80 on: sm80/86/87
+# (A100, A10, RTX 30), sm89 (L40, RTX 40), sm90 (H100/H200), sm100/103 (B200/B300), sm110, sm120/121 (RTX 50,
+# DGX Spark). CI compiles every tile configuration the plans emit for sm80, sm89, sm90, sm100 and sm120
+# (tests/test_triton_compile_targets.py) without a GPU; only sm90 has run them.
+MIN_CAPABILITY = (8, 0)
+MAX_MAJOR = 12
+# float8_e4m3fn caches need a native e4m3 conversion (sm89+; Triton rejects float8e4nv for sm80-87). There the
+# torch family runs instead (select_plan: correct, slower), not an error.
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 def supports(problem) -> bool:
-    """Whether the Triton kernels express this problem: CUDA of a verified capability, bf16/fp16 q, the cache
-    in q's dtype or float8_e4m3fn, head dims 64-256, NHD or HND, any page size. Elsewhere the torch family
-    runs (fail closed)."""
-    if problem.device_type != "cuda" or problem.capability not in VERIFIED_CAPABILITIES:
+    """Whether the Triton kernels express this problem: CUDA from sm80 on (float8 caches from sm89 on), bf16/fp16
+    q, the cache in q's dtype or float8_e4m3fn, head dims 64-256, NHD or HND, any page size. Elsewhere the torch
+    family runs (fail closed)."""
+    cap = tuple(problem.capability)
+    if problem.device_type != "cuda" or not MIN_CAPABILITY <= cap or cap[0] > MAX_MAJOR:
         return False
     if problem.q_dtype not in _Q_DTYPES or problem.kv_dtype not in (problem.q_dtype, FP8):
+        return False
+    if problem.kv_dtype == FP8 and cap < FP8_MIN_CAPABILITY:
         return False
     return problem.head_dim in HEAD_DIMS and problem.kv_layout in ("NHD", "HND") and problem.page_size >= 1
 
@@ -82,8 +93,9 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def _launch(mode, shapes, t, *, plan, options, warmup=False):
-    """Launches (or, with warmup, compiles) the kernels of one plan.
+def _launch(mode, shapes, t, *, plan, options, warmup=False, compile_with=None):
+    """Launches (or, with warmup, compiles) the kernels of one plan. `compile_with(kernel, args, consts, tune)`
+    replaces `kernel.warmup` (kernels/triton/_compile_only.py: compiles for another GPU).
 
     shapes: dict of static sizes (batch, q_len, packed, hq, hkv, d, page_size) and strides (q, k, v, pt);
     t: dict of tensors (or, for warmup, their dtypes) q, k, v, pt, seqlens, cu, kv_start, sinks, kds, vds,
@@ -118,7 +130,8 @@ def _launch(mode, shapes, t, *, plan, options, warmup=False):
         consts = dict(B=batch, S=s, B_P2=_pow2(batch + 1), G=g, HQ=hq, BLOCK_M=block_m, BLOCK_N=plan["block_n"],
                       PACKED=bool(shapes["packed"]), **flags)
         if warmup:
-            return [extend.extend_kernel.warmup(*args, grid=grid, **consts, **tune)]
+            return [compile_with(extend.extend_kernel, args, consts, tune) if compile_with else
+                    extend.extend_kernel.warmup(*args, grid=grid, **consts, **tune)]
         extend.extend_kernel[grid](*args, **consts, **tune)
         return None
 
@@ -134,10 +147,15 @@ def _launch(mode, shapes, t, *, plan, options, warmup=False):
     merge_args = (t["part_o"], t["part_l"], t["sinks"], t["out"], t["lse"], t["has_sinks"])
     merge_consts = dict(HQ=hq, D=d, BLOCK_D=_pow2(d), NUM_SPLITS=splits, SPLITS_P2=_pow2(splits))
     if warmup:
+        merge_tune = dict(num_warps=4, num_stages=1)
+        if compile_with:
+            kernels = [compile_with(decode.split_kernel, args, consts, tune)]
+            if splits > 1:
+                kernels.append(compile_with(decode.merge_kernel, merge_args, merge_consts, merge_tune))
+            return kernels
         kernels = [decode.split_kernel.warmup(*args, grid=grid, **consts, **tune)]
         if splits > 1:
-            kernels.append(decode.merge_kernel.warmup(*merge_args, grid=merge_grid, **merge_consts, num_warps=4,
-                                                      num_stages=1))
+            kernels.append(decode.merge_kernel.warmup(*merge_args, grid=merge_grid, **merge_consts, **merge_tune))
         return kernels
     decode.split_kernel[grid](*args, **consts, **tune)
     if splits > 1:
@@ -198,10 +216,9 @@ def _plan_key(plan) -> tuple:
 _DONE: dict = {}
 
 
-def _precompiled(problem, plan_key, options_items):
-    key = (problem, plan_key, options_items)
-    if key in _DONE:
-        return _DONE[key]
+def _warmup_inputs(problem, plan_key, options_items):
+    """(mode, shapes, t, plan, options) of `_launch(..., warmup=True)` for one plan: the standard (contiguous)
+    strides of the problem's tensors, pointers given as dtypes, runtime flags off."""
     mode, splits, block_m, block_n, num_warps, num_stages = plan_key
     plan = dict(num_splits=splits, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     options = dict(options_items)
@@ -217,6 +234,20 @@ def _precompiled(problem, plan_key, options_items):
     t = dict(q=problem.q_dtype, k=problem.kv_dtype, v=problem.kv_dtype, pt=i32, seqlens=i32, cu=i32,
              kv_start=i32, sinks=f32, kds=f32, vds=f32, out=problem.q_dtype, lse=f32, part_o=f32, part_l=f32,
              kds_b=0, kds_h=0, vds_b=0, vds_h=0, has_kv_start=0, has_sinks=0, has_kds=0, has_vds=0)
+    return mode, shapes, t, plan, options
+
+
+def _launch_inputs_compiled(problem, plan, options: dict, compile_with) -> list:
+    """The kernels of one plan compiled by `compile_with` (kernels/triton/_compile_only.py), no GPU needed."""
+    mode, shapes, t, plan_d, options_d = _warmup_inputs(problem, _plan_key(plan), tuple(sorted(options.items())))
+    return _launch(mode, shapes, t, plan=plan_d, options=options_d, warmup=True, compile_with=compile_with)
+
+
+def _precompiled(problem, plan_key, options_items):
+    key = (problem, plan_key, options_items)
+    if key in _DONE:
+        return _DONE[key]
+    mode, shapes, t, plan, options = _warmup_inputs(problem, plan_key, options_items)
     with torch.cuda.device(torch.cuda.current_device()):
         kernels = _launch(mode, shapes, t, plan=plan, options=options, warmup=True)
         for k in kernels or ():

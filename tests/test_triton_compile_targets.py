@@ -1,0 +1,147 @@
+"""The Triton family compiles for every GPU target select_plan sends it to, on a machine with no GPU.
+
+Only the H200 (sm90) runs the kernels (tests/test_triton_kernels.py -m gpu). Here CI compiles them for sm80
+(A100), sm89 (L40 / RTX 40), sm90 (H100 / H200), sm100 (B200) and sm120 (RTX 50 / DGX Spark) with
+kernels/triton/_compile_only.py (`triton.compile` for a `GPUTarget`; no kernel is loaded or run), and
+checks that each kernel's shared memory fits the target's per-block limit.
+
+The configurations come from the plans themselves: select_plan over a grid of Problems (decode, verify and
+extend, 4-D and packed q; head dims 64-256; bf16 and fp16 q with the cache in q's dtype or float8; NHD page 16,
+NHD page 64 and HND page 1; group sizes 1-8; and four feature sets: causal, non-causal, sliding window,
+softcap) on a GPU of each capability, keeping those that take the Triton family (so no float8 for sm80).
+That grid reaches about 70 distinct (tile, head dim, cache dtype) kernels per target, each a 1-5 s compile
+(about 6 min for all five targets on two cores), so each target compiles a representative set instead: the
+fewest Problems (greedy cover) that together reach every tile configuration the plans emit (kernel, block_m,
+block_n, num_warps, num_stages: 11 decode/verify tiles and 2 extend tiles; 7 and 2 on sm80, whose plans have
+no float8 and so no 128-key tiles), both split-KV with its merge
+kernel and no split, every head dim, every (q, cache) dtype pair the target allows, every layout / page size,
+packed q and every feature set: 13 Problems per target (9 on sm80), 61 plans (plus their merge kernels) in all,
+spread over the CPU cores
+(about 70 s on two, from a cold Triton cache).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+F8 = torch.float8_e4m3fn
+# (compute capability, SM count, dynamic shared memory per block that a kernel may opt in to, bytes)
+TARGETS = {80: ((8, 0), 108, 166912), 89: ((8, 9), 142, 101376), 90: ((9, 0), 132, 232448),
+           100: ((10, 0), 148, 232448), 120: ((12, 0), 170, 101376)}
+OPTIONS = [dict(kv_layout="", causal=True, scale=0.088, window_left=-1, softcap=0.0),
+           dict(kv_layout="", causal=False, scale=0.088, window_left=-1, softcap=0.0),
+           dict(kv_layout="", causal=True, scale=0.088, window_left=127, softcap=0.0),
+           dict(kv_layout="", causal=True, scale=0.088, window_left=-1, softcap=30.0)]
+
+
+def _grid(capability, sm_count):
+    """(Problem, options index) of the grid, for a GPU of this capability."""
+    from b12x_inductor.plan import HEAD_DIMS, Problem
+
+    shapes = [(1, 1, False, 2048), (8, 1, False, 512), (128, 1, False, 64), (8, 4, False, 512),
+              (64, 16, False, 128), (4, 4096, False, 256), (1, 16384, True, 1024), (2, 64, False, 64)]
+    heads = [(32, 8), (8, 8), (64, 8), (8, 1)]
+    dtypes = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, F8),
+              (torch.float16, F8)]
+    layouts = [("NHD", 16), ("HND", 1), ("NHD", 64)]
+    for i, (b, s, packed, m) in enumerate(shapes):
+        for j, d in enumerate(HEAD_DIMS):
+            for hq, hkv in heads:
+                for qd, kd in dtypes:
+                    for layout, ps in layouts:
+                        p = Problem(batch=b, q_len=s, packed=packed, max_pages=m, num_q_heads=hq,
+                                    num_kv_heads=hkv, head_dim=d, page_size=ps, q_dtype=qd, kv_dtype=kd,
+                                    kv_layout=layout, device_type="cuda", sm_count=sm_count,
+                                    capability=capability)
+                        yield p, (i + j) % len(OPTIONS)
+
+
+def _facets(problem, plan, opt):
+    kernel = "extend" if plan.mode == "extend" else "split"
+    return {("tile", kernel, plan.block_m, plan.block_n, plan.num_warps, plan.num_stages),
+            ("splits", kernel, plan.num_splits > 1), ("d", problem.head_dim),
+            ("dtype", problem.q_dtype, problem.kv_dtype), ("layout", problem.kv_layout, problem.page_size),
+            ("packed", problem.packed), ("options", opt)}
+
+
+def representative(cc):
+    """The target's Problems to compile: a greedy cover of the facets of every Triton plan of the grid.
+    Returns (chosen [(problem, plan, options index)], every facet the grid's plans have)."""
+    from b12x_inductor.plan import select_plan
+
+    capability, sm_count, _ = TARGETS[cc]
+    candidates = []
+    for problem, opt in _grid(capability, sm_count):
+        plan = select_plan(problem)
+        if plan.family == "triton":
+            candidates.append((problem, plan, opt, _facets(problem, plan, opt)))
+    every = set().union(*(c[3] for c in candidates))
+    left, chosen = set(every), []
+    while left:
+        best = max(candidates, key=lambda c: len(c[3] & left))
+        chosen.append(best[:3])
+        left -= best[3]
+    return chosen, every
+
+
+def _compile(cc, problem, plan, opt):
+    """In a worker process: [(kernel name, shared bytes, cubin bytes)] of one plan compiled for cc."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    from b12x_inductor.kernels.triton import _compile_only
+
+    options = dict(OPTIONS[opt], kv_layout=problem.kv_layout)
+    kernels = _compile_only.precompile_for(problem, plan, options, cc)
+    return [(k.name, k.metadata.shared, len(k.asm["cubin"])) for k in kernels]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    jobs = {(cc, i): item for cc in TARGETS for i, item in enumerate(representative(cc)[0])}
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA/TRITON_INTERPRET state inherited
+    results = {}
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, 8)),
+                                                mp_context=ctx) as pool:
+        futures = {key: pool.submit(_compile, key[0], *item) for key, item in jobs.items()}
+        for key, future in futures.items():
+            try:
+                results[key] = future.result()
+            except Exception as exc:  # noqa: BLE001 - reported per target below
+                results[key] = exc
+    return jobs, results
+
+
+def test_representative_sets_cover_every_plan_facet():
+    """The cover is complete and small; float8 appears exactly where the family takes it (sm89+)."""
+    for cc in TARGETS:
+        chosen, every = representative(cc)
+        tiles = {f for f in every if f[0] == "tile"}
+        assert len(tiles) == (13 if cc >= 89 else 9) and len(chosen) <= 16, (cc, len(tiles), len(chosen))
+        has_fp8 = any(f[0] == "dtype" and f[2] == F8 for f in every)
+        assert has_fp8 == (cc >= 89), cc
+
+
+@pytest.mark.parametrize("cc", list(TARGETS))
+def test_plans_compile_for_target(compiled, cc):
+    jobs, results = compiled
+    limit = TARGETS[cc][2]
+    failures = []
+    for (target, i), (problem, plan, opt) in jobs.items():
+        if target != cc:
+            continue
+        what = (f"sm{cc} {plan.mode} D={problem.head_dim} {problem.q_dtype}/{problem.kv_dtype} "
+                f"{problem.kv_layout} p={problem.page_size} m={plan.block_m} n={plan.block_n} "
+                f"w={plan.num_warps} st={plan.num_stages} splits={plan.num_splits} options={OPTIONS[opt]}")
+        res = results[(target, i)]
+        if isinstance(res, Exception):
+            failures.append(f"{what}: {type(res).__name__}: {str(res)[:300]}")
+            continue
+        assert len(res) == (1 if plan.mode == "extend" or plan.num_splits == 1 else 2), what
+        for name, shared, cubin in res:
+            if cubin == 0 or shared > limit:
+                failures.append(f"{what}: {name} cubin={cubin} B shared={shared} B (limit {limit})")
+    assert not failures, "\n".join(failures)
