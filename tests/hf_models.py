@@ -53,3 +53,11 @@ def layer_types(model) -> list[str]:
     from b12x_inductor.integrations.hf_cache import layer_windows
 
     return layer_windows(model.config.get_text_config(decoder=True))[0]
+
+
+def cache_kwarg(model, cache) -> dict:
+    """generate's name for a user cache: `cache` in newer transformers (5.24), `past_key_values` before."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}

@@ -5,7 +5,6 @@ Tiny random-weight Llama / Qwen2 models built here (no downloads). Greedy tokens
 
 from __future__ import annotations
 
-import inspect
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from transformers.generation.configuration_utils import CompileConfig  # noqa: E
 
 import b12x_inductor  # noqa: E402
 from b12x_inductor.integrations import hf  # noqa: E402
+from hf_models import cache_kwarg  # noqa: E402,F401  (test_gpu_models imports it from here too)
 
 NEW_TOKENS = 6
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -41,12 +41,6 @@ def prompts(batch, seed, length=12):
         mask[1, :3] = 0
         mask[2, :7] = 0
     return ids.masked_fill(mask == 0, 0), mask
-
-
-def cache_kwarg(model, cache) -> dict:
-    """generate's name for a user cache: `cache` in newer transformers (5.24), `past_key_values` before."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache}
 
 
 def generate(model, impl, ids, mask, **kw):

@@ -26,7 +26,7 @@ from transformers.masking_utils import (  # noqa: E402
 import b12x_inductor  # noqa: E402
 from b12x_inductor.integrations import hf  # noqa: E402
 from b12x_inductor.integrations.hf_attention import pattern_window  # noqa: E402
-from hf_models import ARCHS, WINDOW, layer_types, make_model  # noqa: E402
+from hf_models import ARCHS, WINDOW, cache_kwarg, layer_types, make_model  # noqa: E402
 
 NEW_TOKENS = 16  # prompt 12 + 16 > the 24 positions a window layer keeps below: its pages are reused
 
@@ -46,14 +46,6 @@ def paged_cache(model, batch: int, **kw):
     """A B12xCache whose window layers cycle through ceil((8 - 1 + 16) / 4) = 6 pages of 4 per request."""
     kw = {"max_cache_len": 64, "page_size": 4, "window_slack": 16, "dtype": model.dtype, **kw}
     return hf.B12xCache(model.config, max_batch_size=batch, **kw)
-
-
-def cache_kwarg(model, cache) -> dict:
-    """generate's name for a user cache: `cache` in newer transformers (5.24), `past_key_values` before."""
-    import inspect
-
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache}
 
 
 def generate(model, impl, ids, mask, **kw):
