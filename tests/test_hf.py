@@ -5,7 +5,6 @@ Tiny random-weight Llama / Qwen2 models built here (no downloads). Greedy tokens
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
