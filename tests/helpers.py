@@ -116,6 +116,23 @@ def interpreter_worker_report(test_file: str) -> dict:
     return json.loads(lines[-1])
 
 
+def force_triton_family() -> set:
+    """For an interpreter worker: every plan takes the Triton family, and the returned set collects the
+    "mode:family" of each entry run."""
+    import b12x_inductor.kernels as kernels
+    import b12x_inductor.plan as plan
+
+    plan._family = lambda problem: "triton"
+    seen, run_entry = set(), kernels.run_entry
+
+    def spying(mode, family, *args, **kwargs):
+        seen.add(f"{mode}:{family}")
+        return run_entry(mode, family, *args, **kwargs)
+
+    kernels.run_entry = spying
+    return seen
+
+
 def one_thread():
     """Body of a module-scoped fixture: tiny models run no faster on more threads, and far slower when the
     cores are shared."""

@@ -181,17 +181,9 @@ def _triton_interpreter_worker():
     kernels see exactly the tensors the integration hands them (views, strides, offsets)."""
     import json
 
-    import b12x_inductor.kernels as kernels
-    import b12x_inductor.plan as plan
+    from helpers import force_triton_family
 
-    plan._family = lambda problem: "triton"
-    seen, run_entry = set(), kernels.run_entry
-
-    def spying(mode, family, *args, **kwargs):
-        seen.add(f"{mode}:{family}")
-        return run_entry(mode, family, *args, **kwargs)
-
-    kernels.run_entry = spying
+    seen = force_triton_family()
     results = {}
     model = make_model("llama", num_hidden_layers=1)
     for cache, length in (("static", 20), ("b12x", 12)):  # an extend- and a verify-plan prefill, then decode

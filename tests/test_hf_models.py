@@ -289,17 +289,9 @@ def _triton_interpreter_worker():
     softcap), in the verify, extend and decode plans."""
     import json
 
-    import b12x_inductor.kernels as kernels
-    import b12x_inductor.plan as plan
+    from helpers import force_triton_family
 
-    plan._family = lambda problem: "triton"
-    seen, run_entry = set(), kernels.run_entry
-
-    def spying(mode, family, *args, **kwargs):
-        seen.add(f"{mode}:{family}")
-        return run_entry(mode, family, *args, **kwargs)
-
-    kernels.run_entry = spying
+    seen = force_triton_family()
     results = {}
     for arch in ("gpt_oss", "gemma2"):
         model = make_model(arch)
