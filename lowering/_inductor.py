@@ -10,9 +10,15 @@
 - `fake_mode_of(values)`: the FakeTensorMode behind a graph's metadata (to give new nodes their "val").
 - `redispatch_below_autograd(overload, keyset, *args, **kwargs)`: what an Autograd kernel registered
   with_keyset=True calls after its checks (the ops' no-backward kernels in ops.py).
+- `compile_stats()`: a snapshot of Dynamo's and Inductor's process-wide compile counters and timers (the
+  serving engine reports their deltas per bucket).
+- `cache_dir(path)`: Inductor's and Triton's on-disk caches in `path` for a block (the engine's compile cache).
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 import torch._inductor.config as inductor_config
@@ -80,3 +86,48 @@ def redispatch_below_autograd(overload: torch._ops.OpOverload, keyset, *args, **
     """Calls `overload` with the dispatch keys below Autograd: outputs claim no gradient."""
     with torch._C._AutoDispatchBelowAutograd():
         return overload.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+
+def compile_stats() -> dict[str, float]:
+    """Process-wide totals so far: Dynamo graphs compiled (`graphs`), Inductor FX graph cache hits, misses
+    and bypasses (`fx_hit`, `fx_miss`, `fx_bypass`: a miss is an Inductor compile), AOTAutograd cache hits
+    and misses (`aot_hit`, `aot_miss`), and seconds spent in Dynamo (`dynamo_s`: tracing, guards, bytecode)
+    and in the backend it calls (`backend_s`: AOTAutograd and Inductor, cache loads and Triton/C++ builds
+    included). Differences of two snapshots attribute the work between them; a name that a torch version
+    does not record counts 0."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    def seconds(name: str) -> float:
+        return float(sum(compilation_time_metrics.get(name, ())))
+
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    backend = seconds("OutputGraph.call_user_compiler")
+    return dict(graphs=counters["stats"]["unique_graphs"], fx_hit=inductor["fxgraph_cache_hit"],
+                fx_miss=inductor["fxgraph_cache_miss"], fx_bypass=inductor["fxgraph_cache_bypass"],
+                aot_hit=aot["autograd_cache_hit"], aot_miss=aot["autograd_cache_miss"],
+                dynamo_s=max(0.0, seconds("_compile.compile_inner") - backend), backend_s=backend)
+
+
+@contextlib.contextmanager
+def cache_dir(path: str):
+    """Inductor's on-disk caches (FX graphs, AOTAutograd entries, C++ builds) in `path` and Triton's in
+    `path`/triton for the block (TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, which Inductor passes on to
+    its compile workers), then the previous values; Inductor's in-memory memos of cache paths are cleared on
+    entry and exit."""
+    from torch._inductor.utils import clear_caches
+
+    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    old = {name: os.environ.get(name) for name in names}
+    path = os.path.abspath(path)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
+    clear_caches()
+    try:
+        yield path
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        clear_caches()

@@ -2,6 +2,10 @@
 
     python -m b12x_inductor.serve --demo               # random-weight Llama: tiny on CPU, ~1B bf16 on CUDA
     python -m b12x_inductor.serve --model PATH --requests 64 --num-draft 4 --json
+    python -m b12x_inductor.serve --demo --compile-cache DIR   # saves compiled artifacts to DIR, or starts from them
+
+Warm-up is reported per bucket: compile seconds (Dynamo's share, the backend's: AOTAutograd and Inductor or
+their caches), capture seconds (CUDA graphs), and whether Inductor compiled the bucket or found it cached.
 """
 
 from __future__ import annotations
@@ -9,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import torch
 
@@ -65,6 +68,10 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, help="CPU threads (default on CPU: 1; small models gain nothing from "
                    "more and lose much when the cores are shared)")
     p.add_argument("--no-compile", action="store_true", help="run eagerly (debugging)")
+    p.add_argument("--compile-cache", metavar="DIR", help="load compiled artifacts from DIR before warm-up and save "
+                   "them there after it (copy DIR to another machine of the same kind to start it warm)")
+    p.add_argument("--regional-compile", action="store_true", help="compile one decoder layer per bucket and reuse "
+                   "it for every layer (less compile work; the step is still one CUDA graph)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p.parse_args(argv)
@@ -96,7 +103,8 @@ def build(args):
     config = ServeConfig(
         num_pages=args.num_pages or max_batch * pages_per_request, page_size=args.page_size, max_batch=max_batch,
         token_budget=pick("token_budget"), max_model_len=max_model_len, num_draft=pick("num_draft"),
-        eos_token_ids=eos, compile=not args.no_compile,  # the demo's buckets unless the sizes change:
+        eos_token_ids=eos, compile=not args.no_compile, compile_cache=args.compile_cache,
+        regional_compile=args.regional_compile,  # the demo's buckets unless the sizes change:
         decode_buckets=args.decode_buckets or (None if args.max_batch else demo["decode_buckets"]),
         extend_buckets=args.extend_buckets or (None if args.token_budget else demo["extend_buckets"]))
     vocab = model.config.get_text_config().vocab_size
@@ -112,13 +120,12 @@ def main(argv=None) -> int:
     c = engine.config
     log(f"serving {len(requests)} requests on {what}: max_batch {c.max_batch}, token budget {c.token_budget}, "
         f"{c.num_pages} pages of {c.page_size}, {c.num_draft} draft tokens")
-    t = time.perf_counter()
-    engine.warmup()
-    warmup_s = time.perf_counter() - t
-    log(f"warm-up ({len(engine.runner.buckets)} buckets{', compiled' if c.compile else ', eager'}): {warmup_s:.1f} s")
+    warmup = engine.warmup()
+    log(warmup.format())
     report = engine.serve(requests, progress=not args.no_progress)
     if args.json:
-        print(json.dumps(dict(report.to_dict(), warmup_s=warmup_s, model=what, config=_config_dict(c)), indent=2))
+        print(json.dumps(dict(report.to_dict(), warmup_s=warmup.total_s, warmup=warmup.to_dict(), model=what,
+                              config=_config_dict(c)), indent=2))
     else:
         print(report.format())
     leaked = sum(a.num_pages - a.num_free for a in (engine.pages, engine.window_pages) if a is not None)
@@ -132,7 +139,7 @@ def _config_dict(c: ServeConfig) -> dict:
     return dict(num_pages=c.num_pages, page_size=c.page_size, max_batch=c.max_batch, token_budget=c.token_budget,
                 max_model_len=c.max_model_len, num_draft=c.num_draft, decode_buckets=list(c.decode_sizes),
                 extend_buckets=list(c.extend_sizes), compile=c.compile, recycle_window_pages=c.recycle_window_pages,
-                window_num_pages=c.window_num_pages)
+                window_num_pages=c.window_num_pages, compile_cache=c.compile_cache, regional_compile=c.regional_compile)
 
 
 if __name__ == "__main__":

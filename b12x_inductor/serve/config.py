@@ -25,6 +25,12 @@ class ServeConfig:
     (default 1, 2, 4, ..., max_batch), the same batches for verify steps of 1 + num_draft tokens per
     request when num_draft > 0, and extend steps of `extend_buckets` packed tokens (default 128, 256, ...,
     token_budget). Each bucket compiles once, in `warmup`.
+
+    Compilation: `compile_cache`, a directory that warm-up loads compiled artifacts from and saves them to
+    (`serve.compile_cache`: copy it to another machine of the same kind and its engine starts warm).
+    `regional_compile` compiles one decoder layer per bucket and layer kind and reuses it for every layer of
+    that kind (`serve.runner`), instead of the whole model per bucket: several times less compile work, the
+    same tokens, one CUDA graph per step still (captured around the whole step); off until measured on GPU.
     """
 
     num_pages: int = 256
@@ -41,6 +47,8 @@ class ServeConfig:
     cuda_graphs: bool = True  # mode="reduce-overhead" on CUDA
     recycle_window_pages: bool = True  # window layers in a pool of their own, out-of-window pages freed
     window_num_pages: int | None = None  # the window pool's pages (None: default_window_pages)
+    compile_cache: str | None = None  # directory of compiled artifacts: loaded before warm-up, saved after
+    regional_compile: bool = False  # one compiled decoder layer per bucket, reused for every layer
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_batch", "token_budget", "max_model_len"):

@@ -1,21 +1,22 @@
 """The serving loop: requests arrive, the scheduler picks a step, the runner runs it, repeat.
 
     engine = Engine(model, ServeConfig(num_pages=512, max_batch=16, token_budget=512))
-    engine.warmup()                        # compiles every bucket once
+    print(engine.warmup().format())        # compiles every bucket once; where the time went, per bucket
     report = engine.serve(requests)        # under torch.compiler.set_stance("fail_on_recompile")
     print(report.format())
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from b12x_inductor.serve.config import ServeConfig
 from b12x_inductor.serve.pages import PageAllocator
-from b12x_inductor.serve.runner import ModelRunner
+from b12x_inductor.serve.runner import BucketWarmup, ModelRunner
 from b12x_inductor.serve.scheduler import Request, Scheduler
 
 
@@ -62,6 +63,55 @@ class Report:
                    else ""))
 
 
+@dataclass(frozen=True, kw_only=True)
+class WarmupReport:
+    """What `Engine.warmup` did, in seconds: per bucket (`BucketWarmup`: compile, Dynamo and backend shares,
+    capture, cold or from cache), the eager check before them (check_s), and with a compile cache its
+    directory, the artifacts loaded from it (and the time), the bytes saved to it (and the time)."""
+
+    total_s: float
+    check_s: float
+    buckets: tuple[BucketWarmup, ...]
+    compiled: bool
+    regional: bool
+    cache_dir: str | None = None
+    loaded_artifacts: int = 0
+    load_s: float = 0.0
+    saved_bytes: int = 0
+    save_s: float = 0.0
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def compile_s(self) -> float:
+        return sum(b.compile_s for b in self.buckets)
+
+    @property
+    def capture_s(self) -> float:
+        return sum(b.capture_s for b in self.buckets)
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "buckets"}
+        return dict(out, compile_s=self.compile_s, capture_s=self.capture_s, warnings=list(self.warnings),
+                    buckets=[b.to_dict() for b in self.buckets])
+
+    def format(self) -> str:
+        how = ("eager" if not self.compiled else "regional compile" if self.regional else "whole-model compile")
+        sources = [b.source for b in self.buckets]
+        lines = [f"warm-up: {len(self.buckets)} buckets ({how}) in {self.total_s:.1f} s: compile "
+                 f"{self.compile_s:.1f} s, capture/2nd run {self.capture_s:.1f} s, eager check {self.check_s:.1f} s; "
+                 f"{sources.count('compiled')} compiled, {sources.count('cache')} from cache"]
+        if self.cache_dir is not None:
+            lines.append(f"compile cache {self.cache_dir}: loaded {self.loaded_artifacts} artifacts in "
+                         f"{self.load_s:.2f} s, saved {self.saved_bytes / 2**20:.1f} MiB in {self.save_s:.2f} s")
+        lines += [f"warning: {w}" for w in self.warnings]
+        lines.append("  bucket          compile s  dynamo s  backend s  capture s  graphs  source    fx hit/miss")
+        for b in self.buckets:
+            shape = f"{b.kind} {b.rows}x{b.width}"
+            lines.append(f"  {shape:<15} {b.compile_s:9.2f} {b.dynamo_s:9.2f} {b.backend_s:10.2f} {b.capture_s:10.2f} "
+                         f"{b.graphs:7d}  {b.source:<9} {b.fx_hit}/{b.fx_miss}")
+        return "\n".join(lines)
+
+
 class Engine:
     def __init__(self, model, config: ServeConfig) -> None:
         self.config = config
@@ -69,6 +119,7 @@ class Engine:
         self._allocators()
         self.steps = 0
         self.warm = False
+        self.warmup_report: WarmupReport | None = None
 
     def _allocators(self) -> None:
         """A free list per pool of the runner (`pages`: full layers, `window_pages`: window layers that
@@ -108,9 +159,31 @@ class Engine:
         self.config = replace(self.runner.config, **{k: v for k, v in changes.items() if v is not None})
         self._allocators()
 
-    def warmup(self) -> None:
-        self.runner.warmup()
+    def warmup(self) -> WarmupReport:
+        """Compiles (on CUDA also captures) every bucket; returns where the time went, also kept as
+        `warmup_report`. With `config.compile_cache`, first loads the directory's artifacts, compiles with
+        Inductor's on-disk caches there, then saves what this process compiled or found (`serve.compile_cache`)."""
+        from b12x_inductor.serve.compile_cache import CompileCache, Loaded
+
+        start = time.perf_counter()
+        c = self.runner.config
+        cache = CompileCache(c.compile_cache, self.runner.device) if c.compile and c.compile_cache else None
+        loaded, saved, save_s = Loaded(), 0, 0.0
+        with cache.activate() if cache is not None else contextlib.nullcontext():
+            if cache is not None:
+                loaded = cache.load()
+            check = time.perf_counter()
+            buckets = self.runner.warmup()
+            check_s = time.perf_counter() - check - sum(b.compile_s + b.capture_s for b in buckets)
+            if cache is not None:
+                saved, save_s = cache.save(self.runner.buckets)
         self.warm = True
+        self.warmup_report = WarmupReport(
+            total_s=time.perf_counter() - start, check_s=check_s, buckets=tuple(buckets), compiled=c.compile,
+            regional=self.runner.regional, cache_dir=None if cache is None else cache.path,
+            loaded_artifacts=loaded.artifacts, load_s=loaded.seconds, saved_bytes=saved, save_s=save_s,
+            warnings=loaded.warnings)
+        return self.warmup_report
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)

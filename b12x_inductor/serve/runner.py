@@ -27,11 +27,15 @@ reads the sampled tokens once per step; nothing else syncs.
 
 from __future__ import annotations
 
+import functools
+import time
 import weakref
+from dataclasses import asdict, dataclass
 
 import torch
 
 import b12x_inductor as b12x
+from b12x_inductor.lowering import _inductor
 from b12x_inductor.plan import HEAD_DIMS
 from b12x_inductor.serve.config import ServeConfig
 from b12x_inductor.serve.scheduler import Step
@@ -59,6 +63,16 @@ def _describe(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+class _Where:
+    """'attention "b12x_serve" (layer i)', read from the module only when formatted."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def __format__(self, spec: str) -> str:
+        return f"attention {ATTN_NAME!r} (layer {getattr(self.module, 'layer_idx', '?')})"
+
+
 def attention_arguments(module, query, key, value, attention_mask, kwargs: dict, window: int | None) -> dict:
     """The `paged_attention` keyword arguments (scale, window_left, softcap, sinks) of one transformers
     attention call, or ValueError naming the argument that the engine cannot honor.
@@ -66,7 +80,7 @@ def attention_arguments(module, query, key, value, attention_mask, kwargs: dict,
     `window` is the layer's sliding window by its config (None: a full-attention layer); the call must pass
     the same. Every keyword is honored (HONORED_KWARGS), harmless (HARMLESS_KWARGS) or None; anything else is
     refused, so no argument is ever silently dropped."""
-    where = f"attention {ATTN_NAME!r} (layer {getattr(module, 'layer_idx', '?')})"
+    where = _Where(module)  # formatted only in an error: a traced read of layer_idx would specialize on it
     if attention_mask is not None:
         raise ValueError(f"{where}: attention_mask must be None (the engine derives causal and sliding-window "
                          f"visibility from its page table and lengths); got {_describe(attention_mask)}. A model "
@@ -117,25 +131,53 @@ def attention_arguments(module, query, key, value, attention_mask, kwargs: dict,
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
     """transformers attention interface: query [B, Hq, S, D], key/value [B, Hkv, S, D] of the new tokens
-    -> [B, S, Hq, D]. `b12x_serve` (a dict from `ModelRunner._forward`) names, per layer, its window, its pool's
-    key and value tensors and that pool's slot mapping and page table of the step, and the step's lengths and
-    cu_seqlens_q (extend steps: B == 1, tokens packed).
-    Every other keyword is honored or refused (`attention_arguments`)."""
+    -> [B, S, Hq, D]. `b12x_serve` (from `ModelRunner._forward`) is the step's attention input of one layer
+    (`layer_view`: its window, its pool's key and value tensors, that pool's slot mapping and page table, the
+    step's lengths and cu_seqlens_q; extend steps: B == 1, tokens packed), or of all layers (lists indexed by
+    module.layer_idx). Every other keyword is honored or refused (`attention_arguments`)."""
     info = kwargs.get("b12x_serve")
     if info is None:
         raise ValueError(f"attention {ATTN_NAME!r} runs only inside b12x_inductor.serve.ModelRunner")
-    layer = module.layer_idx
-    options = attention_arguments(module, query, key, value, attention_mask, kwargs, info["windows"][layer])
-    k_cache, v_cache = info["kv"][layer]
+    if "layer" not in info:
+        info = layer_view(info, module.layer_idx)
+    options = attention_arguments(module, query, key, value, attention_mask, kwargs, info["window"])
+    k_cache, v_cache = info["kv"]
     b, hkv, s, d = key.shape
     b12x.write_kv(key.transpose(1, 2).reshape(b * s, hkv, d), value.transpose(1, 2).reshape(b * s, hkv, d),
-                  k_cache, v_cache, info["slots"][layer])
+                  k_cache, v_cache, info["slots"])
     q = query.transpose(1, 2)  # [B, S, Hq, D]
     cu = info["cu_seqlens_q"]
     if cu is not None:
         q = q.reshape(b * s, -1, d)  # packed [T, Hq, D]
-    out = b12x.paged_attention(q, k_cache, v_cache, info["page_table"][layer], info["seqlens"], cu, **options)
+    out = b12x.paged_attention(q, k_cache, v_cache, info["page_table"], info["seqlens"], cu, **options)
     return out.reshape(b, s, -1, d), None
+
+
+def layer_view(info: dict, layer: int) -> dict:
+    """Layer `layer`'s attention input from the all-layer info of a step: its key and value pool tensors
+    (`kv`), window, slot mapping and page table, and the step's lengths and cu_seqlens_q."""
+    return dict(layer=True, kv=info["kv"][layer], window=info["windows"][layer], slots=info["slots"][layer],
+                page_table=info["page_table"][layer], seqlens=info["seqlens"], cu_seqlens_q=info["cu_seqlens_q"])
+
+
+# -- regional compilation ---------------------------------------------------------------------------------------
+# ServeConfig(regional_compile=True): each decoder layer's forward is `_served_layer`, which hands its own
+# slice of the step's info (layer_view) and the layer module to one compiled function, `_layer_region`. Dynamo
+# guards on what the layer's code reads (shapes, dtypes, the window and other constants), not on which layer
+# it is (parameters are inputs), so all layers of one kind share one graph per bucket: a 16-layer model
+# compiles 1 layer per bucket instead of 16 (2 for models with window and full layers). Embedding, rotary
+# tables, final norm, lm_head and argmax run eagerly around the layers; on CUDA the runner captures the whole
+# step, eager parts and compiled layers, in one CUDA graph per bucket (`ModelRunner._capture`), so a step is
+# still one graph replay. torch.compiler.nested_compile_region would keep one Dynamo graph too, but torch
+# 2.11-2.14 cannot functionalize a mutating custom op (write_kv) inside a region that mutates its inputs
+# (pytorch#186807, fixed in main by pytorch#189543).
+def _layer_region(layer, hidden_states, info: dict, args: tuple, kwargs: dict):
+    return type(layer).forward(layer, hidden_states, *args, b12x_serve=info, **kwargs)
+
+
+def _served_layer(region, layer, index: int, hidden_states, *args, **kwargs):
+    info = layer_view(kwargs.pop("b12x_serve"), index)
+    return region(layer, hidden_states, info, args, kwargs)
 
 
 def layer_windows(model) -> list[int | None]:
@@ -237,15 +279,39 @@ class ModelRunner:
                         + [("extend", config.max_batch, t) for t in config.extend_sizes])
         # per pool: request -> ((first live column, page count), its page-table row)
         self._rows = {pool: weakref.WeakKeyDictionary() for pool in self.pools}
+        self.regional = config.compile and config.regional_compile
+        self.layer_kinds = len(set(self.windows))  # layers that can share a regional graph: one per window
+        self._install_layers()
+        self._graphs: dict[tuple[str, int, int], tuple] = {}  # regional on CUDA: bucket -> (graph, meta, out)
+        self._pool = None
         self.forward = self._forward
         if config.compile:
-            # Every runner's buckets are cache entries of the same code object (ModelRunner._forward), so each
-            # runner adds its bucket count to Dynamo's limits: several engines in one process never hit them.
+            # Every runner's buckets are cache entries of the same code objects (ModelRunner._forward, or
+            # _layer_region once per layer kind), so each runner adds its count to Dynamo's limits: several
+            # engines in one process never hit them.
+            entries = len(self.buckets) * (self.layer_kinds if self.regional else 1)
             dyn = torch._dynamo.config
-            dyn.recompile_limit += len(self.buckets)
-            dyn.accumulated_recompile_limit += 4 * len(self.buckets)
-            self.forward = torch.compile(self._forward, fullgraph=True, dynamic=False,
-                                         mode="reduce-overhead" if self.cuda_graphs else None)
+            dyn.recompile_limit += entries
+            dyn.accumulated_recompile_limit += 4 * entries
+            if not self.regional:
+                self.forward = torch.compile(self._forward, fullgraph=True, dynamic=False,
+                                             mode="reduce-overhead" if self.cuda_graphs else None)
+
+    def _install_layers(self) -> None:
+        """Regional compile: every decoder layer's forward becomes `_served_layer` over this runner's compiled
+        `_layer_region` (CUDA graphs are the runner's, around the whole step: no cudagraph trees inside).
+        Otherwise a forward installed by an earlier runner is removed: the class's forward again."""
+        layers = getattr(self.decoder, "layers", None)
+        if self.regional and not isinstance(layers, torch.nn.ModuleList):
+            raise ValueError(f"ServeConfig.regional_compile: {type(self.decoder).__name__} keeps no ModuleList "
+                             "`layers` of decoder layers to compile one by one; use regional_compile=False")
+        region = torch.compile(_layer_region, fullgraph=True, dynamic=False) if self.regional else None
+        for i, layer in enumerate(layers if layers is not None else ()):
+            installed = layer.__dict__.get("forward")
+            if isinstance(installed, functools.partial) and installed.func is _served_layer:
+                del layer.forward
+            if region is not None:
+                layer.forward = functools.partial(_served_layer, region, layer, i)
 
     # -- the compiled region --------------------------------------------------------------------------------
     def _forward(self, meta: torch.Tensor, kind: str, rows: int, width: int) -> torch.Tensor:
@@ -337,20 +403,103 @@ class ModelRunner:
         return [[tokens[i]] for i in range(len(step.work))]
 
     def _call(self, meta: torch.Tensor, kind: str, rows: int, width: int) -> torch.Tensor:
+        graph = self._graphs.get((kind, rows, width))
+        if graph is not None:  # regional on CUDA: the step's one CUDA graph, over its static metadata
+            graph, static_meta, out = graph
+            static_meta.copy_(meta.pin_memory(), non_blocking=True)
+            graph.replay()
+            return out
         if self.device.type == "cuda":
             meta = meta.pin_memory().to(self.device, non_blocking=True)
-        if self.cuda_graphs:
+        if self.cuda_graphs and not self.regional:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
             return self.forward(meta, kind, rows, width)
 
-    def warmup(self) -> None:
+    def _capture(self, kind: str, rows: int, width: int) -> None:
+        """Regional compile on CUDA: records one CUDA graph of the whole step (eager embedding, rotary tables,
+        norm, lm_head and argmax, and the compiled layers) over a static metadata buffer, after a warm run on
+        a side stream. All buckets share one memory pool: their steps never overlap, and each step's tokens
+        are read before the next replay."""
+        static_meta = self.metadata(None, kind, rows, width).to(self.device)
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side), torch.no_grad():
+            self.forward(static_meta, kind, rows, width)
+        current.wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
+            out = self.forward(static_meta, kind, rows, width)
+        self._graphs[(kind, rows, width)] = (graph, static_meta, out)
+
+    def warmup(self) -> list[BucketWarmup]:
         """Compiles (and on CUDA captures) every bucket with padding-only inputs: writes nothing. First runs
         the smallest bucket eagerly, so an attention argument the engine refuses raises its ValueError here
-        (under torch.compile it would surface wrapped in a Dynamo error)."""
+        (under torch.compile it would surface wrapped in a Dynamo error). Every call after a bucket's first
+        runs under fail_on_recompile. Returns where each bucket's time went (`BucketWarmup`)."""
+        self._graphs.clear()
         kind, rows, width = self.buckets[0]
-        with torch.no_grad():
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             self._forward(self.metadata(None, kind, rows, width).to(self.device), kind, rows, width)
+        out = []
         for kind, rows, width in self.buckets:
-            for _ in range(3 if self.cuda_graphs else 1):  # cudagraph trees record on the 2nd/3rd call
-                self._call(self.metadata(None, kind, rows, width), kind, rows, width).tolist()
+            meta = self.metadata(None, kind, rows, width)
+            before, start = _inductor.compile_stats(), time.perf_counter()
+            self._call(meta, kind, rows, width).tolist()  # compiles: Dynamo, then Inductor or its caches
+            first = time.perf_counter()
+            stats = _inductor.compile_stats()
+            with torch.compiler.set_stance("fail_on_recompile"):
+                if self.regional and self.cuda_graphs:
+                    self._capture(kind, rows, width)
+                    self._call(meta, kind, rows, width).tolist()  # one replay
+                else:  # cudagraph trees record on the 2nd call and replay from the 3rd; CPU: a 2nd run
+                    for _ in range(2 if self.cuda_graphs else 1):
+                        self._call(meta, kind, rows, width).tolist()
+            done = time.perf_counter()
+            delta = {k: stats[k] - before[k] for k in stats}
+            out.append(BucketWarmup(kind=kind, rows=rows, width=width, compile_s=first - start,
+                                    dynamo_s=delta["dynamo_s"], backend_s=delta["backend_s"], capture_s=done - first,
+                                    graphs=int(delta["graphs"]), fx_hit=int(delta["fx_hit"]),
+                                    fx_miss=int(delta["fx_miss"]), fx_bypass=int(delta["fx_bypass"]),
+                                    aot_hit=int(delta["aot_hit"]), aot_miss=int(delta["aot_miss"])))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketWarmup:
+    """Where one bucket's warm-up time went, in seconds. compile_s: its first call (Dynamo's trace, of which
+    dynamo_s, then the backend, backend_s: AOTAutograd and Inductor, or their caches; then the first run).
+    capture_s: the calls after it, under fail_on_recompile: on CUDA recording its CUDA graph (cudagraph trees:
+    the 2nd and 3rd calls; regional compile: a warm run, the capture and one replay), on CPU a second run.
+    graphs: Dynamo graphs compiled in it (regional: one per layer kind); fx_*: Inductor's FX graph cache hits,
+    misses (an Inductor compile each) and bypasses; aot_*: AOTAutograd's cache."""
+
+    kind: str
+    rows: int
+    width: int
+    compile_s: float
+    dynamo_s: float
+    backend_s: float
+    capture_s: float
+    graphs: int
+    fx_hit: int
+    fx_miss: int
+    fx_bypass: int
+    aot_hit: int
+    aot_miss: int
+
+    @property
+    def source(self) -> str:
+        """"compiled" (Inductor compiled at least one of its graphs), "cache" (every graph from Inductor's
+        caches), "uncached" (bypassed the cache) or "eager" (nothing compiled)."""
+        if self.fx_miss:
+            return "compiled"
+        if self.fx_bypass:
+            return "uncached"
+        return "cache" if self.fx_hit else "eager"
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), source=self.source)
