@@ -70,7 +70,8 @@ def paged_attention(
     Bad shapes, dtypes, devices, strides or options raise ValueError / TypeError naming the argument
     (options must be of their Python type: causal a bool, scale a float or int, not a tensor). There is no
     backward: with grad mode on, an input that requires grad raises RuntimeError (use torch.no_grad()).
-    What only the device knows (page ids, lengths) is checked with B12X_DEBUG=1 (a host sync).
+    What only the device knows (page ids, lengths) is checked with B12X_DEBUG=1 (a host sync); without it,
+    out-of-contract device values are clamped on the device (README, "Bad input"), never read past.
     """
     kwargs = dict(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, kv_start=kv_start,
                   sinks=sinks, softcap=softcap, k_descale=k_descale, v_descale=v_descale)

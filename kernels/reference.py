@@ -15,6 +15,11 @@ Semantics (the README repeats them):
   [B, Hkv]).
 - lse is the natural-log log-sum-exp over the same terms, the sink included. A query with no visible key
   outputs zeros and lse = -inf. Packed rows past cu_seqlens_q[-1] output zeros and lse = -inf.
+- Device values outside the contract (lengths past the page table's capacity, page ids outside the cache,
+  cu_seqlens_q past T, kv_start outside [0, L]) are clamped by every family on the device, never read past:
+  such a call returns the reference of `clamp_to_contract`'s values (B12X_DEBUG=1 raises instead). Only
+  decreasing cu_seqlens_q offsets have no defined result: which rows then hold what is unspecified, but no
+  write leaves out and lse.
 """
 
 from __future__ import annotations
@@ -39,15 +44,22 @@ def _descale(descale: torch.Tensor | None, b: int, num_kv_heads: int) -> torch.T
 def gather_request_kv(cache: torch.Tensor, page_table_row: torch.Tensor, length: int, kv_layout: str) -> torch.Tensor:
     """Keys (or values) 0..length-1 of one request as fp32 [length, Hkv, D]."""
     page_size = cache.shape[1] if kv_layout == "NHD" else cache.shape[2]
-    rows = []
-    for j in range(length):
-        page = int(page_table_row[j // page_size])
-        off = j % page_size
-        rows.append(cache[page, off] if kv_layout == "NHD" else cache[page, :, off])
-    if not rows:
-        hkv, d = (cache.shape[2], cache.shape[3]) if kv_layout == "NHD" else (cache.shape[1], cache.shape[3])
-        return torch.empty(0, hkv, d, dtype=torch.float32)
-    return torch.stack(rows).float()
+    j = torch.arange(length)
+    page, off = page_table_row[j // page_size].long(), j % page_size
+    rows = cache[page, off] if kv_layout == "NHD" else cache[page, :, off]
+    return rows.float()
+
+
+def clamp_to_contract(page_table: torch.Tensor, cache_seqlens: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+                      kv_start: torch.Tensor | None, *, num_pages: int, page_size: int, num_tokens: int | None = None):
+    """(page_table, cache_seqlens, cu_seqlens_q, kv_start) as the kernels clamp them on the device: lengths to
+    [0, max_pages * page_size], kv_start to [0, length], page ids to [0, num_pages - 1], cu_seqlens_q (packed q
+    of num_tokens = T rows) to [0, T]. In-contract values come back unchanged."""
+    lengths = cache_seqlens.long().clamp(0, page_table.shape[1] * page_size)
+    starts = None if kv_start is None else torch.minimum(kv_start.long().clamp(min=0), lengths).to(kv_start.dtype)
+    cu = None if cu_seqlens_q is None else cu_seqlens_q.long().clamp(0, num_tokens).to(cu_seqlens_q.dtype)
+    return (page_table.long().clamp(0, num_pages - 1).to(page_table.dtype), lengths.to(cache_seqlens.dtype), cu,
+            starts)
 
 
 def paged_attention_reference(
@@ -93,27 +105,28 @@ def paged_attention_reference(
         keys = gather_request_kv(k_cache, page_table[b], length, kv_layout) * _descale(k_descale, b, num_kv_heads)[:, None]
         vals = gather_request_kv(v_cache, page_table[b], length, kv_layout) * _descale(v_descale, b, num_kv_heads)[:, None]
         pos = torch.arange(length)
+        heads_kv = torch.arange(num_q_heads) // group  # the KV head of each query head
         for i in range(num_new):
             limit = length - num_new + i
             visible = pos >= start
             visible &= (pos <= limit) if causal else (pos < length)
             if window_left >= 0:
                 visible &= pos >= limit - window_left
-            for h in range(num_q_heads):
-                hk = h // group
-                if not bool(visible.any()):
-                    continue  # zeros and lse = -inf
-                logits = (keys[visible, hk] @ q_rows[i, h]) * scale
-                if softcap > 0:
-                    logits = softcap * torch.tanh(logits / softcap)
-                terms = logits if sinks is None else torch.cat([logits, sinks[h].float().cpu().reshape(1)])
-                row_lse = torch.logsumexp(terms, dim=0)
-                probs = torch.exp(logits - row_lse)
-                o = probs @ vals[visible, hk]
-                if packed:
-                    out[q0 + i, h], lse[q0 + i, h] = o, row_lse
-                else:
-                    out[b, i, h], lse[b, i, h] = o, row_lse
+            if not bool(visible.any()):
+                continue  # zeros and lse = -inf
+            k_vis = keys[visible][:, heads_kv]  # [n, Hq, D]: each query head's keys
+            v_vis = vals[visible][:, heads_kv]
+            logits = torch.einsum("nhd,hd->hn", k_vis, q_rows[i]) * scale  # [Hq, n]
+            if softcap > 0:
+                logits = softcap * torch.tanh(logits / softcap)
+            terms = logits if sinks is None else torch.cat([logits, sinks.float().cpu()[:, None]], dim=1)
+            row_lse = torch.logsumexp(terms, dim=1)  # [Hq]
+            probs = torch.exp(logits - row_lse[:, None])
+            o = torch.einsum("hn,nhd->hd", probs, v_vis)
+            if packed:
+                out[q0 + i], lse[q0 + i] = o, row_lse
+            else:
+                out[b, i], lse[b, i] = o, row_lse
     return out, lse
 
 
@@ -128,12 +141,14 @@ def write_kv_reference(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Writes token n's k/v into slot slot_mapping[n] (page = slot // page_size), skipping slots < 0."""
+    """Writes token n's k/v into slot slot_mapping[n] (page = slot // page_size), in token order (so the last
+    of duplicate slots wins), skipping slots < 0 and, as the clamp of out-of-contract values, slots past the
+    cache (>= num_pages * page_size)."""
     page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
     for cache, x, sc in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
         for n in range(x.shape[0]):
             slot = int(slot_mapping[n])
-            if slot < 0:
+            if slot < 0 or slot >= cache.shape[0] * page_size:
                 continue
             row = x[n].float()
             if cache.dtype == torch.float8_e4m3fn:

@@ -64,11 +64,13 @@ def paged_attention_torch(
     dev = q.device
     host = dev.type == "cpu" and HOST_BOUNDS  # device values may be read on the host for free
     cap = max_pages * page_size
-    lengths = cache_seqlens.long()
-    starts = torch.zeros_like(lengths) if kv_start is None else kv_start.long()
+    # Device values clamped as the kernels clamp them (README, "Bad input"): lengths to [0, cap], kv_start to
+    # [0, length], page ids to [0, num_pages - 1], cu_seqlens_q to [0, T].
+    lengths = cache_seqlens.long().clamp(0, cap)
+    starts = torch.zeros_like(lengths) if kv_start is None else torch.minimum(kv_start.long().clamp(min=0), lengths)
     # Pages past each request's live length may hold any id: read page 0 there instead (masked anyway).
     live_page = torch.arange(max_pages, device=dev)[None, :] * page_size < lengths[:, None]
-    pages = torch.where(live_page, page_table.long(), 0)
+    pages = torch.where(live_page, page_table.long().clamp(0, k_cache.shape[0] - 1), 0)
 
     if q.dim() == 4:
         s = q.shape[1]
@@ -82,7 +84,7 @@ def paged_attention_torch(
     else:
         total = q.shape[0]
         qf, outf, lsef = q, out, lse
-        cu = cu_seqlens_q.long()
+        cu = cu_seqlens_q.long().clamp(0, total)
         bm = _rows_per_tile(total / max(batch, 1))
         num_tiles = min(batch * math.ceil(total / bm), (total + batch * (bm - 1)) // bm)
     # identity: 4-D q of at most _MAX_BLOCK_M rows, one tile per request, written in place. Otherwise rows
@@ -219,7 +221,8 @@ def paged_attention_torch(
 
 
 def write_kv_torch(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, v_scale) -> None:
-    """Scatters k, v [N, Hkv, D] into their slots in place; slots < 0 are skipped without a host sync.
+    """Scatters k, v [N, Hkv, D] into their slots in place; slots outside [0, num_pages * page_size) are skipped
+    (negative ones by contract, larger ones as the clamp of out-of-contract values) without a host sync.
 
     Duplicate slots: the last kept token wins (as in write_kv_reference), wherever skipped tokens sit. Every
     token that targets a slot carries that slot's winner (found with a stable sort of the slots), and a
@@ -233,7 +236,7 @@ def write_kv_torch(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, 
         return
     slot_mapping = slot_mapping.long()
     idx = torch.arange(n, device=k.device)
-    keep = slot_mapping >= 0
+    keep = (slot_mapping >= 0) & (slot_mapping < k_cache.shape[0] * page_size)
     any_keep = keep.any()
     sorted_slots, order = torch.sort(torch.where(keep, slot_mapping, -1), stable=True)
     # position p ends its group of equal slots iff the next one differs; the group's last (latest token) wins
@@ -241,7 +244,7 @@ def write_kv_torch(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, 
     ends[:-1] = sorted_slots[1:] != sorted_slots[:-1]
     group_end = torch.where(ends, idx, n).flip(0).cummin(0).values.flip(0)
     winner = torch.empty_like(idx).scatter_(0, order, order[group_end])  # winner[t]: token whose row t writes
-    first = torch.argmax(keep.to(torch.int32))
+    first = torch.argmax(keep.to(torch.int32)).view(1)  # [1]: indexing with it gathers on the device (no item())
     src = torch.where(keep, winner, winner[first])
     slots = torch.where(any_keep, torch.where(keep, slot_mapping, slot_mapping[first]), 0)
     page, off = slots // page_size, slots % page_size

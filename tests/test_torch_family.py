@@ -151,3 +151,27 @@ def test_write_kv_random_duplicates_match_reference(kv_layout, cache_dtype):
             scales = dict(k_scale=torch.rand(n, generator=gen) + 0.5, v_scale=torch.rand(n, 2, generator=gen) + 0.5)
         (kc, vc), (ek, ev), _ = _write_both(slots, kv_layout, cache_dtype, scales, seed=trial)
         assert torch.equal(kc.float(), ek.float()) and torch.equal(vc.float(), ev.float()), slots
+
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_cuda_path_never_reads_device_values_on_the_host(mode, monkeypatch):
+    """The torch family runs on CUDA inside CUDA graphs (select_plan's fallback, write_kv everywhere): with
+    HOST_BOUNDS off (the CUDA path) neither paged_attention nor write_kv (duplicate, skipped and out-of-range
+    slots) reads a device value on the host. Under FakeTensorMode any such read (item(), bool(), a 0-d
+    tensor index, a data-dependent shape) raises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from b12x_inductor.kernels import torch_impl
+
+    monkeypatch.setattr(torch_impl, "HOST_BOUNDS", False)
+    args = make_problem(batch=3, hq=4, hkv=2, d=64, page_size=4, seed=2, **MODES[mode])
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = args["q"]
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:-1])
+        torch_impl.paged_attention_torch(
+            q, args["k_cache"], args["v_cache"], args["page_table"], args["cache_seqlens"], args["cu_seqlens_q"],
+            torch.tensor([0, 1, 2], dtype=torch.int32), torch.randn(4), None, None, out, lse, kv_layout="NHD",
+            causal=True, scale=0.1, window_left=6, softcap=0.0)
+        torch_impl.write_kv_torch(torch.randn(5, 2, 64), torch.randn(5, 2, 64), args["k_cache"], args["v_cache"],
+                                  torch.tensor([7, -1, 7, 10**9, 3]), kv_layout="NHD", k_scale=None, v_scale=None)

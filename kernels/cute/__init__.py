@@ -176,7 +176,7 @@ def _compiled(key):
 
     args = [ptr(qt, q_dtype.itemsize), ptr(kvt, 16), ptr(kvt, 16), ptr(Int32), ptr(Int32), ptr(Int32),
             ptr(Float32), ptr(Float32), ptr(Float32), ptr(Float32), Int32(1), *[Int64(1)] * 10, *[Int32(0)] * 7,
-            Int32(-1), Float32(1.0), Float32(1.0), Int32(1), Int32(1), make_fake_stream()]
+            Int32(-1), Float32(1.0), Float32(1.0), Int32(1), Int32(1), Int32(1), make_fake_stream()]
     return cute.compile(kernel, *args)
 
 
@@ -220,7 +220,7 @@ def _compiled_extend(key):
 
     args = [ptr(qt, 16), ptr(qt, 16), ptr(qt, 16), *[ptr(Int32)] * 4, *[ptr(Float32)] * 3, ptr(qt, 2),
             ptr(Float32), *[Int64(1)] * 10, *[Int32(0)] * 8, Int32(-1), Float32(1.0), Float32(1.0), Int32(1), Int32(1),
-            make_fake_stream()]
+            Int32(1), make_fake_stream()]
     return cute.compile(kernel, *args)
 
 
@@ -266,7 +266,7 @@ def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
             Int32(kds_b), Int32(kds_h), Int32(vds_b), Int32(vds_h), Int32(kv_start is not None),
             Int32(sinks is not None), Int32(has_kds), Int32(has_vds), Int32(max(window, 0)),
             Float32(float(options["scale"])), Float32(softcap if softcap > 0 else 1.0), Int32(k_cache.shape[0]),
-            Int32(v_cache.shape[0]), stream,
+            Int32(v_cache.shape[0]), Int32(pt.shape[1]), stream,
         )
 
 
@@ -320,7 +320,8 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
             *[Int64(x) for x in (*q.stride()[:3], kp, ko, kh, vp, vo, vh, pt.stride(0))],
             Int32(kds_b), Int32(kds_h), Int32(vds_b), Int32(vds_h), Int32(kv_start is not None), Int32(has_kds),
             Int32(has_vds), Int32(max(window, 0)), Float32(float(options["scale"])),
-            Float32(softcap if softcap > 0 else 1.0), Int32(k_cache.shape[0]), Int32(v_cache.shape[0]), stream,
+            Float32(softcap if softcap > 0 else 1.0), Int32(k_cache.shape[0]), Int32(v_cache.shape[0]),
+            Int32(pt.shape[1]), stream,
         )
         sinks = tensors["sinks"]
         triton_decode.merge_kernel[(batch * s * hq,)](

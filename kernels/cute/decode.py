@@ -30,7 +30,8 @@ scratch ([rows, splits, D] and [rows, splits]); the Triton merge kernel then com
 sink and writes `out` and `lse` (also for one split), so both families share one merge.
 
 The split's key range is computed on the device from the live length, exactly as in the Triton kernel, so
-one compiled kernel serves every length; all launches go on the stream the caller passes (torch's current
+one compiled kernel serves every length (lengths, kv_start and page ids clamped as the Triton kernels clamp
+them: `live_range`, `PageRow`); all launches go on the stream the caller passes (torch's current
 stream), which is what makes them capturable in a CUDA graph.
 """
 
@@ -50,7 +51,7 @@ NEG_BIG = -1.0e30
 
 
 # Shared by the family's kernels (decode.py, decode_mma.py, extend.py): the per-(request, KV head) scales, a
-# request's live key range, a score's log2-domain logit and whether a key is visible to a row.
+# request's live key range, its page-table row, a score's log2-domain logit and whether a key is visible to a row.
 
 @cute.jit
 def scales(kds_ptr: cute.Pointer, vds_ptr: cute.Pointer, has_kds: Int32, has_vds: Int32, kds_b: Int32,
@@ -68,15 +69,29 @@ def scales(kds_ptr: cute.Pointer, vds_ptr: cute.Pointer, has_kds: Int32, has_vds
 
 
 @cute.jit
-def live_range(seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, has_kv_start: Int32, b: Int32):
-    """(length, start): request b's live length (read on the device) and first visible key (kv_start, >= 0)."""
+def live_range(seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, has_kv_start: Int32, b: Int32, cap: Int32):
+    """(length, start): request b's live length (read on the device) clamped to [0, cap] (the page table's
+    capacity, max_pages * PAGE) and its first visible key (kv_start) clamped to [0, length]."""
     seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout((1 << 30,)))
-    length = Int32(seqlens[b])
+    length = cutlass.min(cutlass.max(Int32(seqlens[b]), Int32(0)), cap)
     start = Int32(0)
     if has_kv_start != 0:
         kvs = cute.make_tensor(kv_start_ptr, cute.make_layout((1 << 30,)))
-        start = cutlass.max(Int32(kvs[b]), Int32(0))
+        start = cutlass.min(cutlass.max(Int32(kvs[b]), Int32(0)), length)
     return length, start
+
+
+class PageRow:
+    """Request b's page-table row: `row[i]` is the id of its page i clamped to [0, num_pages - 1], so no page
+    id makes a kernel read outside the caches. Indices stay below the row's columns because lengths are
+    clamped to the capacity (`live_range`)."""
+
+    def __init__(self, pt_ptr: cute.Pointer, pt_sb: Int64, b: Int32, num_pages: Int32):
+        self.ids = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
+        self.last = num_pages - 1
+
+    def __getitem__(self, i):
+        return cutlass.min(cutlass.max(Int32(self.ids[i]), Int32(0)), self.last)
 
 
 @cute.jit
@@ -132,7 +147,8 @@ class SplitKernel:
         v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
         kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
         has_kv_start: Int32, has_kds: Int32, has_vds: Int32,
-        window_left: Int32, sm_scale: Float32, softcap: Float32, k_pages: Int32, v_pages: Int32, stream,
+        window_left: Int32, sm_scale: Float32, softcap: Float32, k_pages: Int32, v_pages: Int32, max_pages: Int32,
+        stream,
     ):
         tma_k, m_k, tma_v, m_v = None, None, None, None
         if const_expr(self.box != 0):
@@ -142,12 +158,13 @@ class SplitKernel:
         self.kernel(
             q_ptr, k_ptr, v_ptr, pt_ptr, seqlens_ptr, kv_start_ptr, kds_ptr, vds_ptr, part_o_ptr, part_l_ptr,
             q_sb, q_ss, q_sh, k_sp, k_so, k_sh, v_sp, v_so, v_sh, pt_sb, kds_b, kds_h, vds_b, vds_h,
-            has_kv_start, has_kds, has_vds, window_left, sm_scale, softcap, tma_k, m_k, tma_v, m_v,
+            has_kv_start, has_kds, has_vds, window_left, sm_scale, softcap, max_pages * self.page, k_pages,
+            tma_k, m_k, tma_v, m_v,
         ).launch(grid=(self.num_splits, self.hkv, batch), block=(self.threads, 1, 1), smem=self.smem_bytes,
                  stream=stream)
 
     @cute.jit
-    def _load_tile(self, k_base: Int64, v_base: Int64, pt_row: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+    def _load_tile(self, k_base: Int64, v_base: Int64, pt_row: PageRow, sK: cute.Tensor, sV: cute.Tensor,
                    atom, tile_lo: Int32, s_hi: Int32, stage: Int32, tidx: Int32,
                    k_sp: Int64, k_so: Int64, v_sp: Int64, v_so: Int64):
         TILE_N = const_expr(self.tile_n)
@@ -206,12 +223,12 @@ class SplitKernel:
         cute.arch.barrier()
         return raw, sK, sV, (tma_k, m_k, tma_v, m_v, mbar)
 
-    def _sources(self, pt_ptr: cute.Pointer, pt_sb: Int64, k_ptr: cute.Pointer, v_ptr: cute.Pointer, k_sh: Int64,
-                 v_sh: Int64, b: Int32, h: Int32):
-        """(pt_row, k_base, v_base, atom) as `_fill` takes them: request b's page-table row, the byte addresses of
-        KV head h in the two caches, and the 16-byte cp.async atom."""
+    def _sources(self, pt_ptr: cute.Pointer, pt_sb: Int64, num_pages: Int32, k_ptr: cute.Pointer,
+                 v_ptr: cute.Pointer, k_sh: Int64, v_sh: Int64, b: Int32, h: Int32):
+        """(pt_row, k_base, v_base, atom) as `_fill` takes them: request b's page-table row (a `PageRow`), the
+        byte addresses of KV head h in the two caches, and the 16-byte cp.async atom."""
         kvt = self.kv_dtype
-        pt_row = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
+        pt_row = PageRow(pt_ptr, pt_sb, b, num_pages)
         k_base = k_ptr.toint() + Int64(h) * k_sh * (kvt.width // 8)
         v_base = v_ptr.toint() + Int64(h) * v_sh * (kvt.width // 8)
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), kvt,
@@ -219,7 +236,7 @@ class SplitKernel:
         return pt_row, k_base, v_base, atom
 
     @cute.jit
-    def _fill(self, k_base: Int64, v_base: Int64, pt_row: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, atom,
+    def _fill(self, k_base: Int64, v_base: Int64, pt_row: PageRow, sK: cute.Tensor, sV: cute.Tensor, atom,
               tile_lo: Int32, s_hi: Int32, stage: Int32, tidx: Int32, h: Int32, k_sp: Int64, k_so: Int64,
               v_sp: Int64, v_so: Int64, tiles):
         """Loads one tile into `stage`: by TMA where it is whole (every key below s_hi, so the request's) and
@@ -238,7 +255,7 @@ class SplitKernel:
                 cute.arch.cp_async_mbarrier_arrive_noinc(mbar + stage)
 
     @cute.jit
-    def _tma_tile(self, pt_row: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, tile_lo: Int32, stage: Int32,
+    def _tma_tile(self, pt_row: PageRow, sK: cute.Tensor, sV: cute.Tensor, tile_lo: Int32, stage: Int32,
                   tidx: Int32, h: Int32, tma_k, m_k, tma_v, m_v, bar: cute.Pointer):
         """One whole tile by TMA: box row r (keys tile_lo + r x BOX ..., one page) goes to warp r % WARPS, which
         copies its K box and its V box (one elected lane each; the page id is read by lane r // WARPS and
@@ -283,11 +300,11 @@ class SplitKernel:
 
     @cute.jit
     def _split_range(self, seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, has_kv_start: Int32,
-                     window_left: Int32, split: Int32, b: Int32):
+                     window_left: Int32, split: Int32, b: Int32, cap: Int32):
         """(length, start, s_lo, s_hi, n_tiles): this split's visible key range [s_lo, s_hi), sized on the device
         from the live length exactly as the Triton kernel does, in whole tiles."""
         TILE_N = const_expr(self.tile_n)
-        length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b)
+        length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
         lo = start
         if const_expr(self.use_window):
             lo = cutlass.max(lo, length - self.s - window_left)
@@ -309,7 +326,8 @@ class SplitKernel:
         v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
         kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
         has_kv_start: Int32, has_kds: Int32, has_vds: Int32,
-        window_left: Int32, sm_scale: Float32, softcap: Float32, tma_k, m_k, tma_v, m_v,
+        window_left: Int32, sm_scale: Float32, softcap: Float32, cap: Int32, num_pages: Int32, tma_k, m_k, tma_v,
+        m_v,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         split, h, b = cute.arch.block_idx()
@@ -342,7 +360,7 @@ class SplitKernel:
 
         # ---- the split's key range, from the live length (device-side) ----
         length, start, s_lo, s_hi, n_tiles = self._split_range(seqlens_ptr, kv_start_ptr, has_kv_start, window_left,
-                                                               split, b)
+                                                               split, b, cap)
         k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h, sm_scale, b, h)
 
         # ---- q rows of this KV head -> shared memory (fp32) ----
@@ -355,7 +373,7 @@ class SplitKernel:
                 off = Int64(b) * q_sb + Int64(r // G) * q_ss + Int64(h * G + r % G) * q_sh + Int64(col)
                 sQ[r, col // VEC, col % VEC] = Float32(q_rows[off])
 
-        pt_row, k_base, v_base, atom = self._sources(pt_ptr, pt_sb, k_ptr, v_ptr, k_sh, v_sh, b, h)
+        pt_row, k_base, v_base, atom = self._sources(pt_ptr, pt_sb, num_pages, k_ptr, v_ptr, k_sh, v_sh, b, h)
 
         # ---- per-thread state ----
         # score phase: keys kj and kj + TILE_N / 2, head-dim part qp

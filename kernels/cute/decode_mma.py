@@ -99,7 +99,8 @@ class MmaSplitKernel(SplitKernel):
         v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
         kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
         has_kv_start: Int32, has_kds: Int32, has_vds: Int32,
-        window_left: Int32, sm_scale: Float32, softcap: Float32, tma_k, m_k, tma_v, m_v,
+        window_left: Int32, sm_scale: Float32, softcap: Float32, cap: Int32, num_pages: Int32, tma_k, m_k, tma_v,
+        m_v,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         split, h, b = cute.arch.block_idx()
@@ -135,7 +136,7 @@ class MmaSplitKernel(SplitKernel):
 
         # ---- the split's key range, from the live length (device-side) ----
         length, start, s_lo, s_hi, n_tiles = self._split_range(seqlens_ptr, kv_start_ptr, has_kv_start, window_left,
-                                                               split, b)
+                                                               split, b, cap)
         k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h, sm_scale, b, h)
 
         # ---- q rows -> A fragments (registers), zero past the R live rows ----
@@ -153,7 +154,7 @@ class MmaSplitKernel(SplitKernel):
                     x1 = Float32(q_rows[off + 1])
                 qa[ks, reg] = _pack2(x0, x1, bf16=BF)
 
-        pt_row, k_base, v_base, atom = self._sources(pt_ptr, pt_sb, k_ptr, v_ptr, k_sh, v_sh, b, h)
+        pt_row, k_base, v_base, atom = self._sources(pt_ptr, pt_sb, num_pages, k_ptr, v_ptr, k_sh, v_sh, b, h)
 
         acc = cute.make_rmem_tensor((NTILES, 4), Float32)
         for nt in cutlass.range_constexpr(NTILES):

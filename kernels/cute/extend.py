@@ -62,7 +62,7 @@ from cutlass.utils import LayoutEnum
 
 from b12x_inductor.kernels.cute import EXTEND_BLOCK_M as BLOCK_M
 from b12x_inductor.kernels.cute import extend_geometry, tma, tma_box
-from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG, live_range, logit, scales, visible
+from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG, PageRow, live_range, logit, scales, visible
 
 LN2 = 0.6931471805599453
 THREADS = 384  # producer warpgroup + two consumer warpgroups
@@ -93,7 +93,8 @@ class ExtendKernel:
         v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
         kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
         has_kv_start: Int32, has_sinks: Int32, has_kds: Int32, has_vds: Int32,
-        window_left: Int32, sm_scale: Float32, softcap: Float32, k_pages: Int32, v_pages: Int32, stream,
+        window_left: Int32, sm_scale: Float32, softcap: Float32, k_pages: Int32, v_pages: Int32, max_pages: Int32,
+        stream,
     ):
         tma_k, m_k, tma_v, m_v = None, None, None, None
         if const_expr(self.box != 0):
@@ -103,7 +104,8 @@ class ExtendKernel:
         self.kernel(
             q_ptr, k_ptr, v_ptr, pt_ptr, seqlens_ptr, cu_ptr, kv_start_ptr, sinks_ptr, kds_ptr, vds_ptr, out_ptr,
             lse_ptr, q_sb, q_ss, q_sh, k_sp, k_so, k_sh, v_sp, v_so, v_sh, pt_sb, kds_b, kds_h, vds_b, vds_h,
-            has_kv_start, has_sinks, has_kds, has_vds, window_left, sm_scale, softcap, tma_k, m_k, tma_v, m_v,
+            has_kv_start, has_sinks, has_kds, has_vds, window_left, sm_scale, softcap, max_pages * self.page,
+            k_pages, tma_k, m_k, tma_v, m_v,
         ).launch(grid=(self.hq, self.tiles, 1), block=(THREADS, 1, 1), smem=self.smem_bytes, stream=stream,
                  min_blocks_per_mp=1)
 
@@ -120,9 +122,11 @@ class ExtendKernel:
         if const_expr(self.packed):
             cu = cute.make_tensor(cu_ptr, cute.make_layout((self.batch + 1,)))
             cum = Int32(0)
+            # cu_seqlens_q clamped to [0, T] (as the Triton kernel): rows [c_lo, max(c_lo, c_hi)) stay in q and out
             for i in cutlass.range(self.batch, unroll=1):
-                c_lo = Int32(cu[i])
-                n_i = cutlass.max(Int32(cu[i + 1]) - c_lo, Int32(0))
+                c_lo = cutlass.min(cutlass.max(Int32(cu[i]), Int32(0)), Int32(self.s))
+                c_hi = cutlass.min(cutlass.max(Int32(cu[i + 1]), Int32(0)), Int32(self.s))
+                n_i = cutlass.max(c_hi - c_lo, Int32(0))
                 tiles_i = (n_i + BLOCK_M - 1) // BLOCK_M
                 if (t >= cum) & (t < cum + tiles_i):
                     b = i
@@ -131,7 +135,8 @@ class ExtendKernel:
                     row0 = Int64(c_lo)
                 cum = cum + tiles_i
             if t >= cum:
-                pad_from = Int32(cu[self.batch]) + (t - cum) * BLOCK_M
+                end = cutlass.min(cutlass.max(Int32(cu[self.batch]), Int32(0)), Int32(self.s))
+                pad_from = end + (t - cum) * BLOCK_M
         else:
             per_req = const_expr(-(-self.s // BLOCK_M))
             b = t // per_req
@@ -153,8 +158,8 @@ class ExtendKernel:
         v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
         kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
         has_kv_start: Int32, has_sinks: Int32, has_kds: Int32, has_vds: Int32,
-        window_left: Int32, sm_scale: Float32, softcap: Float32, tma_k: cute.CopyAtom, m_k: cute.Tensor,
-        tma_v: cute.CopyAtom, m_v: cute.Tensor,
+        window_left: Int32, sm_scale: Float32, softcap: Float32, cap: Int32, num_pages: Int32,
+        tma_k: cute.CopyAtom, m_k: cute.Tensor, tma_v: cute.CopyAtom, m_v: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         hq, t, _ = cute.arch.block_idx()
@@ -215,7 +220,7 @@ class ExtendKernel:
                         lse_rows[Int64(r) * self.hq + Int64(hq)] = Float32(-math.inf)
         else:
             # ---- the visible key range, on the device (as the Triton extend kernel) ----
-            length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b)
+            length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
             c_min = length - n_b + mt * BLOCK_M
             c_max = length - n_b + cutlass.min(mt * BLOCK_M + BLOCK_M, n_b) - 1
             lo = start
@@ -239,7 +244,7 @@ class ExtendKernel:
             if wg == 0:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 self._produce(tidx, b, h, lo, hi, length, n_tiles, k_ptr, v_ptr, pt_ptr, k_sp, k_so, k_sh, v_sp,
-                              v_so, v_sh, pt_sb, wK, wV, mbar, base + q_elems, tma_k, m_k, tma_v, m_v)
+                              v_so, v_sh, pt_sb, num_pages, wK, wV, mbar, base + q_elems, tma_k, m_k, tma_v, m_v)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
                 ctid = tidx - 128
@@ -475,7 +480,7 @@ class ExtendKernel:
     @cute.jit
     def _produce(self, tidx: Int32, b: Int32, h: Int32, lo: Int32, hi: Int32, length: Int32, n_tiles: Int32,
                  k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer, k_sp: Int64, k_so: Int64,
-                 k_sh: Int64, v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64, wK: cute.Tensor,
+                 k_sh: Int64, v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64, num_pages: Int32, wK: cute.Tensor,
                  wV: cute.Tensor, mbar: cute.Pointer, ring: cute.Pointer, tma_k, m_k, tma_v, m_v):
         """The producer warpgroup: each tile's K rows, then its V rows, into the ring; the stage's K-full and
         V-full mbarriers (128 arrivals each) complete when the copies land, so the producer never waits for
@@ -498,17 +503,18 @@ class ExtendKernel:
             j0 = lo + it * BN
             if const_expr(BOX != 0):
                 if (j0 % BOX == 0) & (j0 + BN <= length):
-                    self._tma_tile(tidx, b, h, j0, stage, pt_ptr, pt_sb, mbar, ring, tma_k, m_k, tma_v, m_v)
+                    self._tma_tile(tidx, b, h, j0, stage, pt_ptr, pt_sb, num_pages, mbar, ring, tma_k, m_k, tma_v,
+                                   m_v)
                 else:
                     self._cp_async_tile(tidx, b, h, j0, hi, stage, k_ptr, v_ptr, pt_ptr, k_sp, k_so, k_sh, v_sp,
-                                        v_so, v_sh, pt_sb, wK, wV, mbar)
+                                        v_so, v_sh, pt_sb, num_pages, wK, wV, mbar)
             else:
                 self._cp_async_tile(tidx, b, h, j0, hi, stage, k_ptr, v_ptr, pt_ptr, k_sp, k_so, k_sh, v_sp, v_so,
-                                    v_sh, pt_sb, wK, wV, mbar)
+                                    v_sh, pt_sb, num_pages, wK, wV, mbar)
 
     @cute.jit
     def _tma_tile(self, tidx: Int32, b: Int32, h: Int32, j0: Int32, stage: Int32, pt_ptr: cute.Pointer,
-                  pt_sb: Int64, mbar: cute.Pointer, ring: cute.Pointer, tma_k, m_k, tma_v, m_v):
+                  pt_sb: Int64, num_pages: Int32, mbar: cute.Pointer, ring: cute.Pointer, tma_k, m_k, tma_v, m_v):
         """One tile by TMA (keys j0 .. j0 + BN, all the request's): box row r (keys j0 + r x BOX ..., one page)
         goes to warp r % 4, which issues its D / 64 head-dim slabs of K, then of V (a TMA copy is issued by
         one elected lane, with warp-uniform coordinates: the page id is read by lane r // 4 and shuffled).
@@ -522,8 +528,7 @@ class ExtendKernel:
         lane = tidx % 32
         page = Int32(0)
         if (warp + 4 * lane < BOX_ROWS) & (lane < (BOX_ROWS + 3) // 4):
-            pt_row = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
-            page = tma.box_page(pt_row, j0, self.page, BOX, warp + 4 * lane)
+            page = tma.box_page(PageRow(pt_ptr, pt_sb, b, num_pages), j0, self.page, BOX, warp + 4 * lane)
         for kv in cutlass.range_constexpr(2):
             bar = mbar + kv * NS + stage
             if tidx == 0:
@@ -543,8 +548,8 @@ class ExtendKernel:
     @cute.jit
     def _cp_async_tile(self, tidx: Int32, b: Int32, h: Int32, j0: Int32, hi: Int32, stage: Int32,
                        k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer, k_sp: Int64, k_so: Int64,
-                       k_sh: Int64, v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64, wK: cute.Tensor,
-                       wV: cute.Tensor, mbar: cute.Pointer):
+                       k_sh: Int64, v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64, num_pages: Int32,
+                       wK: cute.Tensor, wV: cute.Tensor, mbar: cute.Pointer):
         """One tile by cp.async: first the K rows, then the V rows, each followed by this thread's
         cp.async.mbarrier.arrive on the stage's K-full or V-full mbarrier."""
         BN = const_expr(self.tile_n)
@@ -553,7 +558,7 @@ class ExtendKernel:
         dt = self.dtype
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
                                    num_bits_per_copy=128)
-        pt_row = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
+        pt_row = PageRow(pt_ptr, pt_sb, b, num_pages)
         # byte addresses, kept cheap (about 14 instructions per cp.async): page ids and key
         # indices are non-negative, so they divide and widen as unsigned; the page offset stays 64-bit
         ch = tidx % CH

@@ -42,8 +42,9 @@ def cache_tma(ptr: cute.Pointer, pages: Int32, sp: Int64, so: Int64, sh: Int64, 
                                        (box, row_elems(dtype)))
 
 
-def box_page(pt_row: cute.Tensor, j0: Int32, page: int, box: int, box_row: Int32):
-    """The page id of box row `box_row` of the tile starting at key j0 (j0 on a box boundary)."""
+def box_page(pt_row, j0: Int32, page: int, box: int, box_row: Int32):
+    """The page id of box row `box_row` of the tile starting at key j0 (j0 on a box boundary); `pt_row` is the
+    request's `PageRow` (kernels/cute/decode.py: ids clamped into the cache)."""
     return pt_row[(Uint32(j0) + Uint32(box_row * box)) // page]
 
 

@@ -97,7 +97,8 @@ def _launch(mode, shapes, t, *, plan, options, warmup=False, compile_with=None):
     """Launches (or, with warmup, compiles) the kernels of one plan. `compile_with(kernel, args, consts, tune)`
     replaces `kernel.warmup` (kernels/triton/_compile_only.py: compiles for another GPU).
 
-    shapes: dict of static sizes (batch, q_len, packed, hq, hkv, d, page_size) and strides (q, k, v, pt);
+    shapes: dict of static sizes (batch, q_len, packed, hq, hkv, d, page_size, max_pages: the page table's
+    columns, num_pages: the pages both caches hold) and strides (q, k, v, pt);
     t: dict of tensors (or, for warmup, their dtypes) q, k, v, pt, seqlens, cu, kv_start, sinks, kds, vds,
     out, lse, part_o, part_l with descale strides and flags.
     """
@@ -116,6 +117,7 @@ def _launch(mode, shapes, t, *, plan, options, warmup=False, compile_with=None):
         t["kds_b"], t["kds_h"], t["vds_b"], t["vds_h"],
         t["has_kv_start"], t["has_sinks"], t["has_kds"], t["has_vds"],
         max(window, 0), float(options["scale"]), softcap if softcap > 0 else 1.0,
+        shapes["max_pages"], shapes["num_pages"],
     )
     flags = dict(CAUSAL=bool(options["causal"]), USE_WINDOW=window >= 0, USE_SOFTCAP=softcap > 0,
                  DOT=_dot_dtype(shapes["q_dtype"], shapes["kv_dtype"]), D=d, BLOCK_D=_pow2(d),
@@ -172,7 +174,8 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
         batch=tensors["page_table"].shape[0], q_len=q.shape[0] if packed else q.shape[1], packed=packed,
         hq=q.shape[-2], hkv=hkv, d=q.shape[-1], page_size=page_size, q_dtype=q.dtype, kv_dtype=k_cache.dtype,
         q_stride=q.stride(), k_stride=k_cache.stride(), v_stride=v_cache.stride(),
-        pt_stride=tensors["page_table"].stride(0),
+        pt_stride=tensors["page_table"].stride(0), max_pages=tensors["page_table"].shape[1],
+        num_pages=min(k_cache.shape[0], v_cache.shape[0]),
     )
     t = dict(q=q, k=k_cache, v=v_cache, pt=tensors["page_table"], seqlens=tensors["cache_seqlens"], out=out,
              lse=lse)
@@ -229,7 +232,7 @@ def _warmup_inputs(problem, plan_key, options_items):
     shapes = dict(batch=b, q_len=s, packed=problem.packed, hq=hq, hkv=hkv, d=d, page_size=ps,
                   q_dtype=problem.q_dtype, kv_dtype=problem.kv_dtype, q_stride=_contiguous_strides(q_shape),
                   k_stride=_contiguous_strides(cache_shape), v_stride=_contiguous_strides(cache_shape),
-                  pt_stride=problem.max_pages)
+                  pt_stride=problem.max_pages, max_pages=problem.max_pages, num_pages=1)
     f32, i32 = torch.float32, torch.int32
     t = dict(q=problem.q_dtype, k=problem.kv_dtype, v=problem.kv_dtype, pt=i32, seqlens=i32, cu=i32,
              kv_start=i32, sinks=f32, kds=f32, vds=f32, out=problem.q_dtype, lse=f32, part_o=f32, part_l=f32,

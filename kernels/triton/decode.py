@@ -10,6 +10,9 @@ otherwise it writes each split's normalized partial output and log2-sum-exp into
 
 Key j of request b lives at page page_table[b, j // PAGE] offset j % PAGE; the page id is widened to 64 bits
 before it is multiplied by the cache's page stride. NHD and HND differ only in the strides passed.
+
+Device values are clamped to what the kernels know from the tensors' shapes (`live_range`, `page_id`), so
+no value makes them touch memory outside their tensors (the README's "Bad input" states the contract).
 """
 
 from __future__ import annotations
@@ -28,8 +31,23 @@ def _tanh(x):
 
 
 @triton.jit
-def _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, stride_kp, stride_ko, stride_vp,
-          stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
+def live_range(SEQLENS, KV_START, has_kv_start, b, max_pages, PAGE: tl.constexpr):
+    """(length, start) of request b, clamped: the length to [0, max_pages * PAGE] (the page table's capacity),
+    kv_start to [0, length]."""
+    length = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), max_pages * PAGE)
+    start = tl.where(has_kv_start != 0, tl.load(KV_START + b), 0)
+    return length, tl.minimum(tl.maximum(start, 0), length)
+
+
+@triton.jit
+def page_id(page, num_pages):
+    """A page id clamped to [0, num_pages - 1], as int64 (the cache's page stride may pass 2^31 elements)."""
+    return tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+
+
+@triton.jit
+def _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp, stride_ko,
+          stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
           BLOCK_N: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
           CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
     """One BLOCK_N-key tile of the online softmax (decode, verify and extend): gathers the tile's K and V
@@ -38,10 +56,10 @@ def _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, stride
     offs_n = j0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     if MASKED:
-        page = tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        page = page_id(tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0), num_pages)
         kv_mask = n_ok[:, None] & d_ok[None, :]
     else:
-        page = tl.load(pt_row + offs_n // PAGE).to(tl.int64)
+        page = page_id(tl.load(pt_row + offs_n // PAGE), num_pages)
         kv_mask = d_ok[None, :]
     slot = (offs_n % PAGE).to(tl.int64)
     k_ptrs = k_head + page[:, None] * stride_kp + slot[:, None] * stride_ko + offs_d[None, :]
@@ -73,7 +91,7 @@ def _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, stride
 
 @triton.jit(do_not_specialize=[
     "KV_START", "SINKS", "KDS", "VDS", "kds_b", "kds_h", "vds_b", "vds_h",
-    "has_kv_start", "has_sinks", "has_kds", "has_vds", "window_left",
+    "has_kv_start", "has_sinks", "has_kds", "has_vds", "window_left", "max_pages", "num_pages",
 ])
 def split_kernel(
     Q, K, V, PT, SEQLENS, KV_START, SINKS, KDS, VDS, OUT, LSE, PART_O, PART_L,
@@ -83,7 +101,7 @@ def split_kernel(
     stride_ptb,
     kds_b, kds_h, vds_b, vds_h,
     has_kv_start, has_sinks, has_kds, has_vds,
-    window_left, sm_scale, softcap,
+    window_left, sm_scale, softcap, max_pages, num_pages,
     S: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
@@ -107,9 +125,7 @@ def split_kernel(
     q_ptr = Q + b.to(tl.int64) * stride_qb + tok.to(tl.int64) * stride_qs + hq.to(tl.int64) * stride_qh
     q = tl.load(q_ptr[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
 
-    length = tl.load(SEQLENS + b)
-    start = tl.where(has_kv_start != 0, tl.load(KV_START + b), 0)
-    start = tl.maximum(start, 0)
+    length, start = live_range(SEQLENS, KV_START, has_kv_start, b, max_pages, PAGE)
     limit = length - S + tok  # causal limit of each row
     lo = start
     if USE_WINDOW:
@@ -134,8 +150,8 @@ def split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for j0 in range(s_lo, s_hi, BLOCK_N):
-        acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, s_hi, start, limit, k_head, v_head, pt_row, stride_kp, stride_ko,
-                              stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, s_hi, start, limit, k_head, v_head, pt_row, num_pages,
+                              stride_kp, stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
                               BLOCK_N, PAGE, False, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
 
     seen = l_i > 0.0

@@ -16,12 +16,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import LN2, LOG2E, NEG_BIG, _tile
+from .decode import LN2, LOG2E, NEG_BIG, _tile, live_range
 
 
 @triton.jit(do_not_specialize=[
     "CU", "KV_START", "SINKS", "KDS", "VDS", "kds_b", "kds_h", "vds_b", "vds_h",
-    "has_kv_start", "has_sinks", "has_kds", "has_vds", "window_left",
+    "has_kv_start", "has_sinks", "has_kds", "has_vds", "window_left", "max_pages", "num_pages",
 ])
 def extend_kernel(
     Q, K, V, PT, SEQLENS, CU, KV_START, SINKS, KDS, VDS, OUT, LSE,
@@ -31,7 +31,7 @@ def extend_kernel(
     stride_ptb,
     kds_b, kds_h, vds_b, vds_h,
     has_kv_start, has_sinks, has_kds, has_vds,
-    window_left, sm_scale, softcap,
+    window_left, sm_scale, softcap, max_pages, num_pages,
     B: tl.constexpr, S: tl.constexpr, B_P2: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PACKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
@@ -47,8 +47,9 @@ def extend_kernel(
     if PACKED:
         idx = tl.arange(0, B_P2)
         in_batch = idx < B
-        c_lo = tl.load(CU + idx, mask=in_batch, other=0)
-        c_hi = tl.load(CU + idx + 1, mask=in_batch, other=0)
+        # cu_seqlens_q clamped to [0, T]: request b's rows [c_lo, max(c_lo, c_hi)) stay inside q and out
+        c_lo = tl.minimum(tl.maximum(tl.load(CU + idx, mask=in_batch, other=0), 0), S)
+        c_hi = tl.minimum(tl.maximum(tl.load(CU + idx + 1, mask=in_batch, other=0), 0), S)
         n_req = tl.maximum(c_hi - c_lo, 0)
         tiles = tl.cdiv(n_req, BLOCK_M)
         cum = tl.cumsum(tiles, 0)  # inclusive
@@ -60,7 +61,7 @@ def extend_kernel(
         n_b = tl.sum(tl.where(sel, n_req, 0), 0)
         is_pad = t >= total
         row0 = q0.to(tl.int64)
-        end = tl.load(CU + B)
+        end = tl.minimum(tl.maximum(tl.load(CU + B), 0), S)
     else:
         tiles_per_req: tl.constexpr = (S + BLOCK_M - 1) // BLOCK_M
         b = t // tiles_per_req
@@ -88,8 +89,7 @@ def extend_kernel(
             q_ptr = Q + b.to(tl.int64) * stride_qb + rows.to(tl.int64) * stride_qs + hq.to(tl.int64) * stride_qh
         q = tl.load(q_ptr[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
 
-        length = tl.load(SEQLENS + b)
-        start = tl.maximum(tl.where(has_kv_start != 0, tl.load(KV_START + b), 0), 0)
+        length, start = live_range(SEQLENS, KV_START, has_kv_start, b, max_pages, PAGE)
         limit = length - n_b + rows
         c_min = length - n_b + mt * BLOCK_M
         c_max = length - n_b + tl.minimum(mt * BLOCK_M + BLOCK_M, n_b) - 1
@@ -118,15 +118,15 @@ def extend_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for j0 in range(lo, tl.minimum(u0, hi), BLOCK_N):
-            acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, stride_kp,
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
                                   stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
                                   BLOCK_N, PAGE, EVEN_D, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
         for j0 in range(u0, u1, BLOCK_N):
-            acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, stride_kp,
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
                                   stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
                                   BLOCK_N, PAGE, EVEN_D, False, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
         for j0 in range(tl.maximum(u1, lo), hi, BLOCK_N):
-            acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, stride_kp,
+            acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
                                   stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
                                   BLOCK_N, PAGE, EVEN_D, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
 
