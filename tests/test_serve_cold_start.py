@@ -126,6 +126,21 @@ def test_regional_compile_one_graph_per_bucket(reference):
     assert "regional compile" in report.format()
 
 
+def test_regional_compile_refuses_at_warmup_before_compiling():
+    """The eager check runs the compiled layers eagerly (force_eager): a keyword the engine does not know
+    raises its ValueError, naming the layer, before any compile."""
+    from torch._dynamo.utils import counters
+
+    model = _model()
+    attn = model.model.layers[1].self_attn
+    forward = attn.forward
+    attn.forward = lambda *args, **kwargs: forward(*args, **kwargs, rope_deltas=3)
+    counters.clear()
+    with pytest.raises(ValueError, match=r"layer 1\).*'rope_deltas'"):
+        Engine(model, ServeConfig(**_CONFIG, regional_compile=True)).warmup()
+    assert counters["stats"]["unique_graphs"] == 0
+
+
 def test_warmup_report_eager_and_json():
     engine = Engine(copy.deepcopy(_model()), ServeConfig(**_CONFIG, compile=False, compile_cache="/nonexistent/x"))
     report = engine.warmup()  # eager: no compile cache is touched
@@ -134,6 +149,49 @@ def test_warmup_report_eager_and_json():
     assert len(d["buckets"]) == 2
     assert {"compile_s", "dynamo_s", "backend_s", "capture_s", "source"} <= set(d["buckets"][0])
     assert "eager" in report.format() and engine.warmup_report is report
+
+
+@pytest.mark.gpu
+def test_gpu_regional_compile_one_cuda_graph_per_step():
+    """On CUDA in bf16 with regional compile: each bucket is one CUDA graph captured around the whole step,
+    serving replays it (the compiled forward is never called), at most one synchronizing call per step, and
+    every served token is transformers' (SDPA) greedy choice up to bf16 near-ties, checked by teacher forcing."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    model = _model().to("cuda", torch.bfloat16)
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    engine = Engine(model, ServeConfig(**{**_CONFIG, "decode_buckets": (1, 2)}, num_draft=3, regional_compile=True))
+    counters.clear()
+    report = engine.warmup()
+    runner = engine.runner
+    assert sorted(runner._graphs) == sorted(runner.buckets) and all(b.graphs == 1 for b in report.buckets)
+
+    def refuse(*args):
+        raise AssertionError("a step ran the forward instead of replaying its CUDA graph")
+
+    runner.forward = refuse
+    requests = _requests()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            served = engine.serve(requests)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert 0 < len(syncs) <= served.steps, [str(w.message) for w in syncs[:3]]
+    assert engine.pools_free and not counters["graph_break"]
+    for r in requests:
+        assert len(r.output) == r.max_new_tokens
+        ids = torch.tensor([r.tokens], device="cuda")
+        with torch.no_grad():
+            logits = reference(ids).logits[0, len(r.prompt) - 1:-1].float()
+        chosen = logits.gather(1, torch.tensor(r.output, device="cuda")[:, None])[:, 0]
+        gap = logits.max(1).values - chosen
+        assert (gap <= 0.05 * logits.abs().max(1).values).all(), (r.id, gap.tolist())
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ Prints a markdown table and writes JSON to --out; --merge A.json B.json prints o
 one bucket per step kind (about three minutes on an H200). Buckets trade compile time (each is one
 Inductor compile and CUDA-graph capture) for padding: full compiles 8 (decode 32, 64, 128; verify the same;
 extend 512, 2048), quick 3. --tiny: a tiny fp32 model (of --model's family) on CPU, to check the harness;
---no-compile runs b12x eagerly (harness checks only).
+--no-compile runs b12x eagerly (harness checks only). b12x's warm-up is printed and kept per bucket in the JSON
+(row "warmup": compile, Dynamo and backend seconds, capture, compiled or from cache); --compile-cache DIR and
+--regional-compile set the engine's ServeConfig.compile_cache and regional_compile.
 """
 
 from __future__ import annotations
@@ -206,17 +208,19 @@ def kv_gib(engine: Engine) -> tuple[float, float]:
 
 
 def run_b12x(model, requests, preset: dict, device, num_draft: int, compile: bool = True,
-             recycle: bool = True) -> tuple[list[dict], Engine]:
+             recycle: bool = True, compile_cache: str | None = None,
+             regional: bool = False) -> tuple[list[dict], Engine]:
     max_len = preset["prompt_lens"][1] + preset["output_lens"][1]
     config = ServeConfig(
         num_pages=preset["max_batch"] * -(-max_len // 16) + 1, page_size=16, max_batch=preset["max_batch"],
         token_budget=preset["token_budget"], max_model_len=max_len, num_draft=num_draft,
         decode_buckets=preset["decode_buckets"], extend_buckets=preset["extend_buckets"], compile=compile,
-        recycle_window_pages=recycle)
+        recycle_window_pages=recycle, compile_cache=compile_cache, regional_compile=regional)
     t = time.perf_counter()
     engine = Engine(model, config)
-    engine.warmup()
+    warmup = engine.warmup()
     warmup_s = time.perf_counter() - t
+    log(warmup.format())
     rows = []
     runs = (("b12x", 0), ("b12x+lookup", num_draft)) if num_draft else (("b12x", 0),)
     if not recycle:
@@ -241,20 +245,23 @@ def run_b12x(model, requests, preset: dict, device, num_draft: int, compile: boo
                       f"window of {engine.window_pages.num_pages})")
         rows.append(dict(_summary(name, [r.output for r in reqs], ttft, tpot, report.elapsed_s, warmup_s, notes),
                          kv_pool_gib=kv_pool, kv_peak_gib=kv_peak, kv_peak_pages=full,
-                         kv_peak_window_pages=window, recycle_window_pages=recycle))
+                         kv_peak_window_pages=window, recycle_window_pages=recycle, warmup=warmup.to_dict()))
     return rows, engine
 
 
-def run_b12x_both(model, requests, preset: dict, device, num_draft: int, compile: bool = True) -> list[dict]:
+def run_b12x_both(model, requests, preset: dict, device, num_draft: int, compile: bool = True,
+                  compile_cache: str | None = None, regional: bool = False) -> list[dict]:
     """b12x (and b12x+lookup) with window pages recycled; for a model with sliding-window layers, then
     b12x-keep-window (a second engine, compiled anew: its pool layout differs; the same num_draft, so its
     page-table width, buckets and attention plans equal the first engine's and its outputs can be compared)."""
-    rows, engine = run_b12x(model, requests, preset, device, num_draft, compile)
+    rows, engine = run_b12x(model, requests, preset, device, num_draft, compile, compile_cache=compile_cache,
+                            regional=regional)
     if engine.runner.window is None:
         return rows
     del engine
     _free(device)
-    kept = run_b12x(model, requests, preset, device, num_draft, compile, recycle=False)[0]  # same buckets and plans
+    kept = run_b12x(model, requests, preset, device, num_draft, compile, recycle=False, compile_cache=compile_cache,
+                    regional=regional)[0]  # same buckets and plans
     same = sum(a == b for a, b in zip(kept[0]["outputs"], rows[0]["outputs"])) / len(requests)
     kept[0]["notes"] += f", {same:.0%} of outputs equal b12x's"
     return rows + kept
@@ -298,6 +305,10 @@ def main(argv) -> None:
     p.add_argument("--systems", help="comma-separated: static, generate_batch, b12x (b12x includes b12x+lookup); "
                    "default: all three for llama, b12x for gpt-oss")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile-cache", metavar="DIR", help="b12x: load compiled artifacts from DIR before warm-up, "
+                   "save them there after it (ServeConfig.compile_cache)")
+    p.add_argument("--regional-compile", action="store_true", help="b12x: one compiled decoder layer per bucket, "
+                   "reused for every layer (ServeConfig.regional_compile)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="print one table from runs split by --systems")
     args = p.parse_args(argv)
@@ -331,7 +342,8 @@ def main(argv) -> None:
         "static": lambda: [run_static(model, requests, preset["static_batch"], device,
                                       preset["prompt_lens"][1] + preset["output_lens"][1], attn)],
         "generate_batch": lambda: [run_generate_batch(model, requests, device, attn)],
-        "b12x": lambda: run_b12x_both(model, requests, preset, device, args.num_draft, not args.no_compile),
+        "b12x": lambda: run_b12x_both(model, requests, preset, device, args.num_draft, not args.no_compile,
+                                      args.compile_cache, args.regional_compile),
     }
     for name in systems:  # b12x last: it switches the model's attention implementation
         if name not in runners:
@@ -355,7 +367,8 @@ def main(argv) -> None:
     if args.out:
         meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), torch=torch.__version__,
                     device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-                    preset=preset, model=args.model, num_draft=args.num_draft)
+                    preset=preset, model=args.model, num_draft=args.num_draft, compile_cache=args.compile_cache,
+                    regional_compile=args.regional_compile)
         try:
             import transformers
 

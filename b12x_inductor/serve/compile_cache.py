@@ -3,7 +3,8 @@
     DIR/artifacts.bin    torch.compiler.save_cache_artifacts(): every FX graph (Inductor's generated code,
                          with its Triton kernels bundled on GPU) and AOTAutograd entry this process compiled
                          or found in a cache; path-independent, loaded with load_cache_artifacts()
-    DIR/manifest.json    what saved them: torch version, device, the engine's buckets, when
+    DIR/manifest.json    what saved them: torch version, device, the hash of this package's sources, the
+                         engine's buckets, when
     DIR/inductor/        Inductor's and Triton's on-disk caches while an engine warms up with this directory:
                          also C++ builds (CPU) and the JIT-compiled Triton kernels of the attention plans
 
@@ -11,8 +12,9 @@ Warm-up loads artifacts.bin (when present) before compiling, compiles every buck
 on-disk cache, then saves artifacts.bin and manifest.json anew (atomically: replicas may share a directory).
 Copying the whole directory to a fresh machine makes every bucket a cache hit there: no Inductor compile,
 no Triton or C++ build; Dynamo still traces each bucket and CUDA graphs are still captured. Artifacts saved
-by another torch version, another GPU or another version of this package's lowering miss the cache (their
-keys differ) and are compiled again; the report says so, bucket by bucket.
+by another torch version, on another GPU or by other sources of this package (their hash is in every key,
+lowering/cache.py) miss the cache and are compiled again: `load` warns, and the warm-up report says which
+buckets compiled.
 """
 
 from __future__ import annotations
@@ -73,6 +75,12 @@ class CompileCache:
         """A context in which Inductor's and Triton's on-disk caches are DIR/inductor."""
         return _inductor.cache_dir(self.inductor_dir)
 
+    def _identity(self) -> dict[str, str]:
+        """What the artifacts' cache keys depend on, beyond the graphs themselves."""
+        from b12x_inductor.lowering.cache import source_hash
+
+        return dict(torch=torch.__version__, device=device_name(self.device), sources=source_hash())
+
     def manifest(self) -> dict | None:
         try:
             with open(os.path.join(self.path, MANIFEST)) as f:
@@ -90,7 +98,7 @@ class CompileCache:
             data = f.read()
         warnings = []
         saved = self.manifest() or {}
-        for key, here in (("torch", torch.__version__), ("device", device_name(self.device))):
+        for key, here in self._identity().items():
             if saved.get(key) not in (None, here):
                 warnings.append(f"{ARTIFACTS} was saved with {key} {saved[key]!r}, this is {here!r}: expect cache "
                                 "misses (compiled again)")
@@ -106,7 +114,7 @@ class CompileCache:
         if saved is None:
             return 0, time.perf_counter() - t
         data, info = saved
-        manifest = dict(torch=torch.__version__, device=device_name(self.device), buckets=[list(b) for b in buckets],
+        manifest = dict(self._identity(), buckets=[list(b) for b in buckets],
                         artifacts={k: len(v) for k, v in info.artifacts.items()},
                         saved=datetime.datetime.now(datetime.timezone.utc).isoformat())
         _write_atomic(os.path.join(self.path, ARTIFACTS), data)

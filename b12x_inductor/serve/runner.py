@@ -460,7 +460,8 @@ class ModelRunner:
                         self._call(meta, kind, rows, width).tolist()
             done = time.perf_counter()
             delta = {k: stats[k] - before[k] for k in stats}
-            out.append(BucketWarmup(kind=kind, rows=rows, width=width, compile_s=first - start,
+            out.append(BucketWarmup(kind=kind, rows=rows, width=width, compiled=self.config.compile,
+                                    compile_s=first - start,
                                     dynamo_s=delta["dynamo_s"], backend_s=delta["backend_s"], capture_s=done - first,
                                     graphs=int(delta["graphs"]), fx_hit=int(delta["fx_hit"]),
                                     fx_miss=int(delta["fx_miss"]), fx_bypass=int(delta["fx_bypass"]),
@@ -480,6 +481,7 @@ class BucketWarmup:
     kind: str
     rows: int
     width: int
+    compiled: bool  # ServeConfig.compile
     compile_s: float
     dynamo_s: float
     backend_s: float
@@ -494,12 +496,15 @@ class BucketWarmup:
     @property
     def source(self) -> str:
         """"compiled" (Inductor compiled at least one of its graphs), "cache" (every graph from Inductor's
-        caches), "uncached" (bypassed the cache) or "eager" (nothing compiled)."""
+        caches), "uncached" (bypassed the cache), "reused" (Dynamo reused graphs this process had compiled
+        already: nothing traced) or "eager" (ServeConfig.compile off)."""
+        if not self.compiled:
+            return "eager"
         if self.fx_miss:
             return "compiled"
         if self.fx_bypass:
             return "uncached"
-        return "cache" if self.fx_hit else "eager"
+        return "cache" if self.fx_hit else "reused"
 
     def to_dict(self) -> dict:
         return dict(asdict(self), source=self.source)
