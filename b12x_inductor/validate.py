@@ -2,7 +2,8 @@
 
 Every message names the argument, what was expected and what came. Only static facts (shapes, dtypes,
 devices, strides, options) are checked here, so the same checks run while tracing under torch.compile.
-What only the device knows (page ids, lengths) is checked by `check_device_values` when B12X_DEBUG=1.
+What only the device knows (page ids, lengths) is checked by `check_device_values` when B12X_DEBUG=1;
+without it the kernels clamp such values on the device (kernels/reference.py, `clamp_to_contract`).
 """
 
 from __future__ import annotations
@@ -21,17 +22,19 @@ Q_DTYPES_CPU = (torch.bfloat16, torch.float16, torch.float32)
 REFUSALS = {e.__name__: e for e in (ValueError, TypeError, RuntimeError)}
 
 
-def refuse(exc: type[Exception], message: str) -> None:
-    """Raises exc(message). While Dynamo traces (the public functions' Python checks run then), through the
-    op b12x::refuse, whose fake raises it: Dynamo reports an exception raised by traced Python code under
-    fullgraph only as "Observed exception", without the message, but an error of an op's fake comes out as
-    its TorchRuntimeError with the original in the chain, as the other checks' errors do."""
+def refuse(exc: str, message: str) -> None:
+    """Raises the exception named `exc` (a key of REFUSALS) with `message`. While Dynamo traces (the public
+    functions' Python checks run then), through the op b12x::refuse, whose fake raises it: Dynamo reports an
+    exception raised by traced Python code under fullgraph only as "Observed exception", without the message,
+    but an error of an op's fake comes out as its TorchRuntimeError with the original in the chain, as the
+    other checks' errors do. The name is a str, not the class: Dynamo (torch 2.11) cannot pass a class's
+    attributes to an op."""
     if torch.compiler.is_compiling():
-        torch.ops.b12x.refuse(exc.__name__, message)
-    raise exc(message)
+        torch.ops.b12x.refuse(exc, message)
+    raise REFUSALS[exc](message)
 
 
-def _fail(op: str, arg: str, expected: str, got: object, exc: type[Exception] = ValueError) -> None:
+def _fail(op: str, arg: str, expected: str, got: object, exc: str = "ValueError") -> None:
     refuse(exc, f"{op}: {arg} must be {expected}; got {got}")
 
 
@@ -42,11 +45,11 @@ def _shape(t: torch.Tensor) -> tuple:
 def _check_tensor(op: str, name: str, t: object, *, dtype=None, dim=None, shape=None, device=None,
                   contiguous=False) -> None:
     if not isinstance(t, torch.Tensor):
-        _fail(op, name, "a torch.Tensor", type(t).__name__, TypeError)
+        _fail(op, name, "a torch.Tensor", type(t).__name__, "TypeError")
     if dtype is not None:
         allowed = dtype if isinstance(dtype, tuple) else (dtype,)
         if t.dtype not in allowed:
-            _fail(op, name, "of dtype " + " or ".join(str(d) for d in allowed), t.dtype, TypeError)
+            _fail(op, name, "of dtype " + " or ".join(str(d) for d in allowed), t.dtype, "TypeError")
     if dim is not None and t.dim() != dim:
         _fail(op, name, f"{dim}-dimensional", f"shape {_shape(t)}")
     if shape is not None and _shape(t) != tuple(shape):
@@ -82,7 +85,7 @@ def _type_name(x: object) -> str:
 
 def check_kv_layout(op: str, kv_layout: object) -> None:
     if not isinstance(kv_layout, str):
-        _fail(op, "kv_layout", "'NHD' or 'HND' (a str)", _type_name(kv_layout), TypeError)
+        _fail(op, "kv_layout", "'NHD' or 'HND' (a str)", _type_name(kv_layout), "TypeError")
     if kv_layout not in ("NHD", "HND"):
         _fail(op, "kv_layout", "'NHD' or 'HND'", repr(kv_layout))
 
@@ -94,19 +97,19 @@ def check_options(op: str, *, kv_layout, causal, scale, window_left, softcap) ->
     int with a schema error); the op's eager and fake implementations run it again."""
     check_kv_layout(op, kv_layout)
     if not isinstance(causal, bool):
-        _fail(op, "causal", "a bool", _type_name(causal), TypeError)
+        _fail(op, "causal", "a bool", _type_name(causal), "TypeError")
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, _REAL):
             _fail(op, "scale", "a Python float or int, or None (a tensor scale is not taken: pass float(scale))",
-                  _type_name(scale), TypeError)
+                  _type_name(scale), "TypeError")
         if not 0.0 < float(scale) < float("inf"):
             _fail(op, "scale", "a positive finite float or None", scale)
     if isinstance(window_left, bool) or not isinstance(window_left, _INT):
-        _fail(op, "window_left", "an int >= -1 (-1: no window)", _type_name(window_left), TypeError)
+        _fail(op, "window_left", "an int >= -1 (-1: no window)", _type_name(window_left), "TypeError")
     if window_left < -1:
         _fail(op, "window_left", "an int >= -1 (-1: no window)", window_left)
     if isinstance(softcap, bool) or not isinstance(softcap, _REAL):
-        _fail(op, "softcap", "a Python float or int (0: no softcap)", _type_name(softcap), TypeError)
+        _fail(op, "softcap", "a Python float or int (0: no softcap)", _type_name(softcap), "TypeError")
     if not 0.0 <= float(softcap) < float("inf"):
         _fail(op, "softcap", "a finite float >= 0 (0: no softcap)", softcap)
 
@@ -114,10 +117,10 @@ def check_options(op: str, *, kv_layout, causal, scale, window_left, softcap) ->
 def _check_tensor_types(op: str, required: dict, optional: dict) -> None:
     for name, t in required.items():
         if not isinstance(t, torch.Tensor):
-            _fail(op, name, "a torch.Tensor", _type_name(t), TypeError)
+            _fail(op, name, "a torch.Tensor", _type_name(t), "TypeError")
     for name, t in optional.items():
         if t is not None and not isinstance(t, torch.Tensor):
-            _fail(op, name, "a torch.Tensor or None", _type_name(t), TypeError)
+            _fail(op, name, "a torch.Tensor or None", _type_name(t), "TypeError")
 
 
 def check_paged_attention_types(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, *, kv_layout,
@@ -132,7 +135,7 @@ def check_paged_attention_types(q, k_cache, v_cache, page_table, cache_seqlens, 
                              v_descale=v_descale, out=out))
     check_options(op, kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=softcap)
     if not isinstance(return_lse, bool):
-        _fail(op, "return_lse", "a bool", _type_name(return_lse), TypeError)
+        _fail(op, "return_lse", "a bool", _type_name(return_lse), "TypeError")
 
 
 def check_write_kv_types(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, v_scale) -> None:
@@ -173,7 +176,7 @@ def cache_geometry(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lay
     if _shape(k_cache) != _shape(v_cache):
         _fail(op, "v_cache", f"of k_cache's shape {_shape(k_cache)}", f"shape {_shape(v_cache)}")
     if k_cache.dtype != v_cache.dtype:
-        _fail(op, "v_cache", f"of k_cache's dtype {k_cache.dtype}", v_cache.dtype, TypeError)
+        _fail(op, "v_cache", f"of k_cache's dtype {k_cache.dtype}", v_cache.dtype, "TypeError")
     if k_cache.device != v_cache.device:
         _fail(op, "v_cache", f"on k_cache's device {k_cache.device}", v_cache.device)
     n, _, _, d = _shape(k_cache)
@@ -217,7 +220,7 @@ def check_paged_attention(
         _check_tensor(op, name, c, device=device)
     if k_cache.dtype != q.dtype and not (k_cache.dtype == FP8 and q.dtype in Q_DTYPES_CUDA):
         _fail(op, "k_cache", f"of q's dtype {q.dtype} or torch.float8_e4m3fn (with bf16/fp16 q)", k_cache.dtype,
-              TypeError)
+              "TypeError")
     hq, qd = q.shape[-2], q.shape[-1]
     if qd != d:
         _fail(op, "k_cache", f"of q's head dim {qd}", f"head dim {d}")
@@ -264,12 +267,12 @@ def check_write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, 
     device = k.device
     _check_tensor(op, "v", v, dtype=k.dtype, shape=_shape(k), device=device)
     if k.dtype not in Q_DTYPES_CPU:
-        _fail(op, "k", "of dtype torch.bfloat16, torch.float16 or torch.float32", k.dtype, TypeError)
+        _fail(op, "k", "of dtype torch.bfloat16, torch.float16 or torch.float32", k.dtype, "TypeError")
     _, _, hkv, d = cache_geometry(op, k_cache, v_cache, kv_layout)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(op, name, c, device=device)
     if k_cache.dtype != k.dtype and k_cache.dtype != FP8:
-        _fail(op, "k_cache", f"of k's dtype {k.dtype} or torch.float8_e4m3fn", k_cache.dtype, TypeError)
+        _fail(op, "k_cache", f"of k's dtype {k.dtype} or torch.float8_e4m3fn", k_cache.dtype, "TypeError")
     n = k.shape[0]
     if tuple(k.shape[1:]) != (hkv, d):
         _fail(op, "k", f"of shape [N, Hkv, D] = [N, {hkv}, {d}] (the cache's heads and head dim)", f"shape {_shape(k)}")
