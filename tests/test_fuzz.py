@@ -93,14 +93,14 @@ def visible_slots(page_table, lengths, num_new, kv_start, *, num_pages, page_siz
     for b in range(page_table.shape[0]):
         length, n = int(lengths[b]), int(num_new[b])
         start = 0 if kv_start is None else int(kv_start[b])
-        for j in range(length):
-            seen = False
-            for i in range(n):
-                c = length - n + i
-                ok = start <= j and (j <= c if causal else True) and (window_left < 0 or j >= c - window_left)
-                seen = seen or ok
-            if seen:
-                used[int(page_table[b, j // page_size]), j % page_size] = True
+        j = torch.arange(length)[None, :]
+        c = (length - n + torch.arange(n))[:, None]  # each new row's causal limit
+        ok = (j >= start) & ((j <= c) if causal else True)
+        if window_left >= 0:
+            ok = ok & (j >= c - window_left)
+        seen = ok.any(0) if n else torch.zeros(length, dtype=torch.bool)
+        j = torch.arange(length)[seen]
+        used[page_table[b, j // page_size].long(), j % page_size] = True
     return used
 
 
