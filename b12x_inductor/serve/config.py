@@ -29,8 +29,9 @@ class ServeConfig:
     Compilation: `compile_cache`, a directory that warm-up loads compiled artifacts from and saves them to
     (`serve.compile_cache`: copy it to another machine of the same kind and its engine starts warm).
     `regional_compile` compiles one decoder layer per bucket and layer kind and reuses it for every layer of
-    that kind (`serve.runner`), instead of the whole model per bucket: several times less compile work, the
-    same tokens, one CUDA graph per step still (captured around the whole step); off until measured on GPU.
+    that kind (`serve.runner`), instead of the whole model per bucket: less compile work by about the layer
+    count, the same computation, and on CUDA still one CUDA graph per step (the runner captures the whole
+    step); off until measured on a GPU.
     """
 
     num_pages: int = 256
