@@ -5,7 +5,7 @@ decode, verify or extend plan at compile time.
     out = b12x.paged_attention(q, k_cache, v_cache, page_table, cache_seqlens)
 
 Follow one call: `paged_attention` (this file) -> `torch.ops.b12x.paged_attention` (ops.py: checks, then
-`select_plan` in plan.py) -> the plan's entry op -> `kernels.run_entry` -> a kernel family. Under
+`select_plan` in plan.py) -> the plan's entry op -> one `kernels.Call` to `kernels.run` -> its family. Under
 torch.compile, lowering/paged_attention.py replaces the middle: it selects the plan while compiling and
 emits the entry op call with the plan's constants.
 """

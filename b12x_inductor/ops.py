@@ -10,7 +10,8 @@ None has a backward: with grad mode on, an input that requires grad raises (thei
 
 Entry ops (one per plan mode; what the lowering emits, with the plan's constants as literals):
 - b12x::paged_attention_{decode,verify,extend}(..., out, lse, scratch, *, options, plan constants) -> ()
-  They write out, lse and scratch, which the caller (eager op or Inductor) allocates.
+  They write out, lse and scratch, which the caller (eager op or Inductor) allocates, and hand the
+  plan's family one typed `kernels.Call`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import functools
 import torch
 
 from b12x_inductor import validate
+from b12x_inductor.kernels import Call, Options
 from b12x_inductor.plan import MODES, Plan, select_plan
 
 _lib = torch.library.Library("b12x", "DEF")
@@ -59,19 +61,19 @@ torch.library.impl(_lib, "refuse", "CompositeExplicitAutograd")(_refuse)
 torch.library.register_fake("b12x::refuse")(_refuse)
 
 
-def entry_options(head_dim: int, *, kv_layout, causal, scale, window_left, softcap) -> dict:
+def entry_options(head_dim: int, *, kv_layout, causal, scale, window_left, softcap) -> Options:
     """The call's options as the entry ops take them, with scale defaulted to head_dim ** -0.5 (the eager op,
     the lowering and `warmup` all build them here)."""
-    scale = float(head_dim) ** -0.5 if scale is None else float(scale)
-    return dict(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=float(softcap))
+    return Options.of(head_dim, kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left,
+                      softcap=softcap)
 
 
 def _run_plan(plan: Plan, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
-              kv_start, sinks, k_descale, v_descale, out, options: dict) -> torch.Tensor:
+              kv_start, sinks, k_descale, v_descale, out, options: Options) -> torch.Tensor:
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=q.device)
     plan.entry_op(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale,
-                  v_descale, out, lse, scratch, **options, **plan.constants())
+                  v_descale, out, lse, scratch, **options.as_kwargs(), **plan.constants())
     return lse
 
 
@@ -128,13 +130,15 @@ def _entry(mode: str):
              out, lse, scratch, *, kv_layout, causal, scale, window_left, softcap, family, **plan):
         if validate.debug_enabled():
             validate.check_device_values(q, k_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, kv_layout)
-        from b12x_inductor.kernels import run_entry
+        from b12x_inductor import kernels
 
-        tensors = dict(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
-                       cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, sinks=sinks, k_descale=k_descale,
-                       v_descale=v_descale)
-        options = dict(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=softcap)
-        run_entry(mode, family, tensors, out=out, lse=lse, scratch=scratch, options=options, plan=plan)
+        kernels.run(Call(
+            q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
+            cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, sinks=sinks, k_descale=k_descale, v_descale=v_descale,
+            out=out, lse=lse, scratch=scratch,
+            options=Options(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left,
+                            softcap=softcap),
+            plan=Plan.of_entry(mode, scratch.numel(), family=family, **plan)))
 
     def fake(*args, **kwargs):
         return None

@@ -1,44 +1,124 @@
-"""Kernel families behind the plans' entry ops.
+"""Kernel families behind the plans' entry ops, and the one typed call they all take.
 
-`run_entry` is where an entry op (`torch.ops.b12x.paged_attention_{decode,verify,extend}`) reaches a
-kernel: the plan's family picks the module, the mode picks its function.
+An entry op (`torch.ops.b12x.paged_attention_{decode,verify,extend}`) builds one `Call` (its tensors, its
+`Options` and its `Plan`) and `run` hands it to the plan's family. A family is a `KernelFamily`: whether it
+is installed, which problems it expresses, whether it is the one to prefer for a problem, its plan, its
+ahead-of-time compile and its run. `FAMILY_ORDER` is the order `select_plan` tries them in.
 - reference.py: the fp32 executable definition of the semantics (tests compare everything with it)
 - torch_impl.py: the vectorized torch family (CPU, and CUDA where no kernel supports a problem)
-- triton/: the Triton family (CUDA)
+- triton/: the Triton family (CUDA, sm80 on)
 - cute/: the CuTe DSL family (Hopper)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+from typing import Protocol
 
-def run_entry(mode: str, family: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
-    """Runs one plan. tensors: q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start,
-    sinks, k_descale, v_descale; options: kv_layout, causal, scale, window_left, softcap; plan: the
-    Plan's tile constants (num_splits, block_m, block_n, num_warps, num_stages)."""
-    if family == "torch":
-        from b12x_inductor.kernels.torch_impl import paged_attention_torch
+import torch
 
-        paged_attention_torch(**tensors, out=out, lse=lse, **options)
-    elif family == "triton":
-        from b12x_inductor.kernels import triton as triton_kernels
-
-        triton_kernels.run(mode, tensors, out=out, lse=lse, scratch=scratch, options=options, plan=plan)
-    elif family == "cute":
-        from b12x_inductor.kernels import cute as cute_kernels
-
-        cute_kernels.run(mode, tensors, out=out, lse=lse, scratch=scratch, options=options, plan=plan)
-    else:
-        raise ValueError(f"paged_attention: plan family must be 'torch', 'triton' or 'cute'; got {family!r}")
+FAMILY_ORDER = ("cute", "triton", "torch")  # select_plan's preference: the first that takes a problem runs it
+_MODULES = {"torch": "b12x_inductor.kernels.torch_impl", "triton": "b12x_inductor.kernels.triton",
+            "cute": "b12x_inductor.kernels.cute"}
 
 
-def precompile(problem, plan, options: dict) -> None:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """A call's options as the entry ops take them (the scale already defaulted)."""
+
+    kv_layout: str  # "NHD" or "HND"
+    causal: bool
+    scale: float
+    window_left: int  # -1: no window
+    softcap: float  # 0: no softcap
+
+    @classmethod
+    def of(cls, head_dim: int, *, kv_layout, causal, scale, window_left, softcap) -> Options:
+        """The options of a public call: scale None becomes head_dim ** -0.5 (the eager op, the lowering and
+        `warmup` all build them here)."""
+        scale = float(head_dim) ** -0.5 if scale is None else float(scale)
+        return cls(kv_layout=kv_layout, causal=bool(causal), scale=scale, window_left=int(window_left),
+                   softcap=float(softcap))
+
+    def as_kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Call:
+    """One paged-attention call as every family runs it: read the inputs, write `out`, `lse` and `scratch`
+    only. Shapes (validate.py checks them before a Call exists):
+    q [B, S, Hq, D] or packed [T, Hq, D] (bf16/fp16, fp32 on CPU); k_cache, v_cache [num_pages, page_size,
+    Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND), q's dtype or float8_e4m3fn; page_table int32
+    [B, max_pages]; cache_seqlens int32 [B]; cu_seqlens_q int32 [B + 1] (packed q) or None; kv_start int32
+    [B] or None; sinks float32 [Hq] or None; k_descale, v_descale float32 scalar, [B] or [B, Hkv], or None;
+    out like q; lse float32 q's shape without D; scratch uint8 [plan.scratch_bytes]."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    page_table: torch.Tensor
+    cache_seqlens: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None
+    kv_start: torch.Tensor | None
+    sinks: torch.Tensor | None
+    k_descale: torch.Tensor | None
+    v_descale: torch.Tensor | None
+    out: torch.Tensor
+    lse: torch.Tensor
+    scratch: torch.Tensor
+    options: Options
+    plan: object  # b12x_inductor.plan.Plan
+
+    INPUTS = ("q", "k_cache", "v_cache", "page_table", "cache_seqlens", "cu_seqlens_q", "kv_start", "sinks",
+              "k_descale", "v_descale")
+
+    @property
+    def mode(self) -> str:
+        return self.plan.mode
+
+    @property
+    def packed(self) -> bool:
+        return self.q.dim() == 3
+
+    def inputs(self) -> dict:
+        """The input tensors by name (the reference's and the torch family's keyword arguments)."""
+        return {name: getattr(self, name) for name in self.INPUTS}
+
+
+class KernelFamily(Protocol):
+    """One kernel family. `plan` and `preferred` are pure functions of the Problem; `run` writes only the
+    call's out, lse and scratch, allocates nothing and never syncs with the host."""
+
+    name: str
+
+    def available(self) -> bool: ...  # its software is installed
+
+    def supports(self, problem) -> bool: ...  # it expresses the problem (device, dtypes, head dims, ...)
+
+    def preferred(self, problem) -> bool: ...  # where it measured faster than the families after it
+
+    def plan(self, problem, **tiles): ...  # its Plan for the problem (tiles: replaced choices), scratch included
+
+    def precompile(self, problem, plan, options: Options) -> None: ...  # no JIT compile inside a capture
+
+    def run(self, call: Call) -> None: ...
+
+
+def family(name: str) -> KernelFamily:
+    """The family object of a plan's family name."""
+    if name not in _MODULES:
+        raise ValueError(f"paged_attention: plan family must be one of {FAMILY_ORDER}; got {name!r}")
+    return importlib.import_module(_MODULES[name]).FAMILY
+
+
+def run(call: Call) -> None:
+    """Runs one plan (the entry ops' path to a kernel)."""
+    family(call.plan.family).run(call)
+
+
+def precompile(problem, plan, options: Options) -> None:
     """Compiles the plan's kernels ahead (called by the lowering while Inductor compiles the graph, and by
     `b12x_inductor.warmup`), so that no JIT compile ever happens inside a CUDA-graph capture."""
-    if plan.family == "triton":
-        from b12x_inductor.kernels import triton as triton_kernels
-
-        triton_kernels.precompile(problem, plan, options)
-    elif plan.family == "cute":
-        from b12x_inductor.kernels import cute as cute_kernels
-
-        cute_kernels.precompile(problem, plan, options)
+    family(plan.family).precompile(problem, plan, options)

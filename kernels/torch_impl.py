@@ -259,3 +259,36 @@ def write_kv_torch(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, 
             rows = rows.clamp(-448.0, 448.0)
         rows = torch.where(any_keep, rows, view[page, off].to(rows.dtype))
         view.index_put_((page, off), rows.to(cache.dtype))
+
+
+class TorchFamily:
+    """The torch family as a KernelFamily (kernels/__init__.py): it takes every problem (last in
+    FAMILY_ORDER) and needs no tiles, scratch or compile."""
+
+    name = "torch"
+
+    def available(self) -> bool:
+        return True
+
+    def supports(self, problem) -> bool:
+        return True
+
+    def preferred(self, problem) -> bool:
+        return True
+
+    def plan(self, problem, **tiles):
+        from b12x_inductor.plan import Plan
+
+        if tiles:
+            raise ValueError(f"paged_attention: the torch family has no tiles to replace; got {sorted(tiles)}")
+        return Plan(mode=problem.mode, family="torch", num_splits=1, block_m=0, block_n=0, num_warps=0,
+                    num_stages=0, scratch_bytes=0)
+
+    def precompile(self, problem, plan, options) -> None:
+        return None
+
+    def run(self, call) -> None:
+        paged_attention_torch(**call.inputs(), out=call.out, lse=call.lse, **call.options.as_kwargs())
+
+
+FAMILY = TorchFamily()

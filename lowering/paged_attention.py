@@ -60,7 +60,7 @@ def _lower(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *,
     precompile(problem, plan, options)  # no JIT compile later, inside a CUDA-graph capture
     _inductor.call_fallback(
         plan.entry_op, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale,
-        v_descale, out, lse, scratch, **options, **plan.constants())
+        v_descale, out, lse, scratch, **options.as_kwargs(), **plan.constants())
     return out, lse
 
 

@@ -48,10 +48,9 @@ def make_problem(*, batch=3, q_len=1, hq=8, hkv=2, d=64, page_size=4, max_pages=
 
 
 def run_family(t, options, family, out=None, overrides=None):
-    """Runs one family's plan (with `overrides` of its tile fields) for the inputs through kernels.run_entry
-    (the entry ops' path). Returns out, lse, the plan and a zero-argument call that runs it again."""
-    from b12x_inductor import validate
-    from b12x_inductor.kernels import run_entry
+    """Runs one family's plan (with `overrides` of its tile fields) for the inputs through kernels.run (the
+    entry ops' path). Returns out, lse, the plan and a zero-argument call that runs it again."""
+    from b12x_inductor import kernels, validate
     from b12x_inductor.ops import entry_options
     from b12x_inductor.plan import family_plan
 
@@ -60,11 +59,7 @@ def run_family(t, options, family, out=None, overrides=None):
         kv_layout=options.get("kv_layout", "NHD"), causal=options.get("causal", True), scale=options.get("scale"),
         window_left=options.get("window_left", -1), kv_start=t["kv_start"], sinks=t["sinks"],
         softcap=options.get("softcap", 0.0), k_descale=t["k_descale"], v_descale=t["v_descale"], out=None)
-    plan = family_plan(problem, family)
-    if overrides:
-        import dataclasses
-
-        plan = dataclasses.replace(plan, **overrides)
+    plan = family_plan(problem, family, **(overrides or {}))
     q = t["q"]
     out = torch.full_like(q, float("nan")) if out is None else out
     lse = torch.full(q.shape[:-1], float("nan"), device=q.device)
@@ -72,14 +67,30 @@ def run_family(t, options, family, out=None, overrides=None):
     opts = entry_options(q.shape[-1], kv_layout=options.get("kv_layout", "NHD"), causal=options.get("causal", True),
                          scale=options.get("scale"), window_left=options.get("window_left", -1),
                          softcap=options.get("softcap", 0.0))
-    tensors = {k: t[k] for k in ("q", "k_cache", "v_cache", "page_table", "cache_seqlens", "cu_seqlens_q",
-                                 "kv_start", "sinks", "k_descale", "v_descale")}
+    the_call = kernels.Call(**{k: t[k] for k in kernels.Call.INPUTS}, out=out, lse=lse, scratch=scratch,
+                            options=opts, plan=plan)
 
     def call():
-        run_entry(plan.mode, plan.family, tensors, out=out, lse=lse, scratch=scratch, options=opts,
-                  plan=plan.constants())
+        kernels.run(the_call)
     call()
     return out, lse, plan, call
+
+
+def direct_call(t: dict, mode: str, options: dict, tiles: dict):
+    """A kernels.Call of the inputs `t` (make_inputs' dict) for the plan of `mode` with the given tile fields
+    (Triton family), out and lse poisoned with NaN: what the interpreter workers run without a Problem."""
+    from b12x_inductor import kernels
+    from b12x_inductor.plan import Plan
+
+    q = t["q"]
+    splits = tiles.get("num_splits", 1)
+    rows = q.shape[0] * q.shape[1] if q.dim() == 4 else 0
+    scratch_bytes = rows * q.shape[-2] * splits * (q.shape[-1] + 1) * 4 if splits > 1 else 0
+    plan = Plan(mode=mode, family="triton", scratch_bytes=scratch_bytes, **tiles)
+    return kernels.Call(
+        **{k: t[k] for k in kernels.Call.INPUTS}, out=torch.full(q.shape, float("nan"), dtype=q.dtype),
+        lse=torch.full(q.shape[:-1], float("nan")), scratch=torch.empty(scratch_bytes, dtype=torch.uint8),
+        options=kernels.Options(**options), plan=plan)
 
 
 def replay_with_new_lengths(graph, t, out, lse, check, *, page_size=16, steps=3, min_len=45):
@@ -120,16 +131,16 @@ def force_triton_family() -> set:
     """For an interpreter worker: every plan takes the Triton family, and the returned set collects the
     "mode:family" of each entry run."""
     import b12x_inductor.kernels as kernels
-    import b12x_inductor.plan as plan
 
-    plan._family = lambda problem: "triton"
-    seen, run_entry = set(), kernels.run_entry
+    kernels.FAMILY_ORDER = ("triton",)
+    kernels.family("triton").supports = lambda problem: True
+    seen, run = set(), kernels.run
 
-    def spying(mode, family, *args, **kwargs):
-        seen.add(f"{mode}:{family}")
-        return run_entry(mode, family, *args, **kwargs)
+    def spying(call):
+        seen.add(f"{call.mode}:{call.plan.family}")
+        return run(call)
 
-    kernels.run_entry = spying
+    kernels.run = spying
     return seen
 
 

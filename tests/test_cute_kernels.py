@@ -87,10 +87,11 @@ def test_cute_tma_box_follows_the_page_geometry():
 def test_select_plan_picks_cute_only_where_installed_and_faster(monkeypatch):
     from b12x_inductor import plan as plan_mod
     from b12x_inductor.kernels import cute
+    from b12x_inductor.kernels.cute import plan as cute_plan
 
     extend = [_problem(q_len=300), _problem(q_len=300, packed=True, head_dim=64)]
     faster = [p for p in (_problem(), _problem(kv_dtype=F8), _problem(q_len=4), _problem(batch=1, max_pages=2048),
-                          *extend) if plan_mod._cute_measured_faster(p)]
+                          *extend) if cute_plan.measured_faster(p)]
     assert all(p in faster for p in extend)  # extend is routed wherever the family expresses it
     monkeypatch.setattr(cute, "available", lambda: False)
     for p in faster:
@@ -120,7 +121,7 @@ needs_cute = pytest.mark.skipif(not _cute_ready(), reason="needs CUDA and nvidia
 
 def _cute_case(kw):
     """Whether a Triton decode/verify GPU case is one the CuTe family expresses (D 64/128/256, <= 16 rows)."""
-    from b12x_inductor.kernels.cute import HEAD_DIMS, MAX_ROWS
+    from b12x_inductor.kernels.cute import DECODE_HEAD_DIMS as HEAD_DIMS, MAX_ROWS
 
     q_len = kw.get("q_len", 1)
     return (not kw.get("packed") and q_len <= 16 and kw["d"] in HEAD_DIMS
@@ -230,10 +231,10 @@ def test_gpu_cute_compile_reduce_overhead_no_skip_no_recompile(monkeypatch, vari
 
     import b12x_inductor as b12x
     from b12x_inductor import ops, validate
-    from b12x_inductor import plan as plan_mod
+    from b12x_inductor.kernels.cute import plan as cute_plan
 
-    monkeypatch.setattr(plan_mod, "_cute_measured_faster", lambda problem: True)
-    monkeypatch.setattr(plan_mod, "_CUTE_TILE", {**plan_mod._CUTE_TILE, **VARIANTS[variant]})
+    monkeypatch.setattr(cute_plan, "measured_faster", lambda problem: True)
+    monkeypatch.setattr(cute_plan, "TILE", {**cute_plan.TILE, **VARIANTS[variant]})
     ops.plan_for.cache_clear()
     t = make_inputs(batch=4, hq=32, hkv=8, d=128, page_size=16, lens=[300, 200, 100, 50], spare_pages=8,
                     device="cuda", seed=11, kv_dtype=F8, descale="bh")
@@ -282,7 +283,7 @@ def test_cute_rejects_unaligned_cache_rows_with_a_clear_error():
 def test_cute_geometry_fits_every_supported_problem():
     """The plan's tile fits the kernel (threads, shared memory) for every head dim, dtype and row count the
     family supports; larger tiles that do not fit are refused rather than launched."""
-    from b12x_inductor.kernels.cute import HEAD_DIMS, MAX_ROWS, geometry
+    from b12x_inductor.kernels.cute import DECODE_HEAD_DIMS as HEAD_DIMS, MAX_ROWS, geometry
 
     for d in HEAD_DIMS:
         for bits in (8, 16):
@@ -333,9 +334,9 @@ def test_gpu_cute_extend_compile_reduce_overhead_no_skip_no_recompile(monkeypatc
 
     import b12x_inductor as b12x
     from b12x_inductor import ops, validate
-    from b12x_inductor import plan as plan_mod
+    from b12x_inductor.kernels.cute import plan as cute_plan
 
-    monkeypatch.setattr(plan_mod, "_cute_measured_faster", lambda problem: True)
+    monkeypatch.setattr(cute_plan, "measured_faster", lambda problem: True)
     ops.plan_for.cache_clear()
     t = make_inputs(batch=2, hq=16, hkv=4, d=128, page_size=16, packed=True, lens=[400, 300], q_lens=[200, 100],
                     spare_pages=4, device="cuda", seed=12)

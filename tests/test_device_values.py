@@ -166,17 +166,11 @@ def _interpreter_worker() -> None:
     for name, mode, _, _ in CASES:
         try:
             _, t, options = case_inputs(name, "cpu")
-            q = t["q"]
             splits = 2 if mode != "extend" and mode != "packed" else 1
-            rows = q.shape[0] * q.shape[1] if q.dim() == 4 else 0
-            out = torch.full(q.shape, float("nan"), dtype=q.dtype)
-            lse = torch.full(q.shape[:-1], float("nan"))
-            scratch = torch.empty(rows * q.shape[-2] * splits * (q.shape[-1] + 1) * 4 if splits > 1 else 0,
-                                  dtype=torch.uint8)
-            plan = dict(num_splits=splits, block_m=16, block_n=16, num_warps=4, num_stages=2)
-            tk.run("extend" if mode == "packed" else mode, t, out=out, lse=lse, scratch=scratch, options=options,
-                   plan=plan)
-            check_close(out, lse, *clamped_reference(t, options), what=name)
+            call = helpers.direct_call(t, "extend" if mode == "packed" else mode, options,
+                                       dict(num_splits=splits, block_m=16, block_n=16, num_warps=4, num_stages=2))
+            tk.run(call)
+            check_close(call.out, call.lse, *clamped_reference(t, options), what=name)
             results[name] = "ok"
         except Exception as e:  # reported per case by the parent test
             results[name] = f"{type(e).__name__}: {e}"

@@ -92,9 +92,10 @@ def representative(cc):
 def _compile(cc, problem, plan, opt):
     """In a worker process: [(kernel name, shared bytes, cubin bytes)] of one plan compiled for cc."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    from b12x_inductor.kernels import Options
     from b12x_inductor.kernels.triton import _compile_only
 
-    options = dict(OPTIONS[opt], kv_layout=problem.kv_layout)
+    options = Options(**dict(OPTIONS[opt], kv_layout=problem.kv_layout))
     kernels = _compile_only.precompile_for(problem, plan, options, cc)
     return [(k.name, k.metadata.shared, len(k.asm["cubin"])) for k in kernels]
 

@@ -116,8 +116,10 @@ INTERPRETER_CASES = [
 
 def _interpreter_worker() -> None:
     """Runs every INTERPRETER_CASES case through kernels.triton.run; prints one JSON line per case."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
     from b12x_inductor.kernels import triton as tk
     from b12x_inductor.kernels.reference import paged_attention_reference
+    from tests.helpers import direct_call
 
     for name, mode, (splits, block_m, block_n), kw, opts in INTERPRETER_CASES:
         try:
@@ -126,13 +128,10 @@ def _interpreter_worker() -> None:
             options = dict(kv_layout=kw.get("kv_layout", "NHD"), causal=True, scale=1.1 * q.shape[-1] ** -0.5,
                            window_left=-1, softcap=0.0)
             options.update(opts)
-            out = torch.full(q.shape, float("nan"), dtype=q.dtype)
-            lse = torch.full(q.shape[:-1], float("nan"))
-            rows = q.shape[0] * q.shape[1] if q.dim() == 4 else 0
-            scratch = torch.empty(rows * q.shape[-2] * splits * (q.shape[-1] + 1) * 4 if splits > 1 else 0,
-                                  dtype=torch.uint8)
-            plan = dict(num_splits=splits, block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
-            tk.run(mode, t, out=out, lse=lse, scratch=scratch, options=options, plan=plan)
+            call = direct_call(t, mode, options, dict(num_splits=splits, block_m=block_m, block_n=block_n,
+                                                      num_warps=4, num_stages=2))
+            tk.run(call)
+            out, lse = call.out, call.lse
             ref_out, ref_lse = paged_attention_reference(**t, **options)
             check_close(out, lse, ref_out, ref_lse, what=name)
             print(json.dumps({"case": name, "ok": True}), flush=True)

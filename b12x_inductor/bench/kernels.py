@@ -219,35 +219,29 @@ def b12x_call(s, mode, variant=None, family=None):
         return call, lambda: s["out"]
     # one kernel family's plan (family_plan), with (num_splits, block_n, num_stages, num_warps, block_m)
     # replaced where the variant gives a nonzero value
-    import dataclasses
-
-    from b12x_inductor import validate
-    from b12x_inductor.kernels import run_entry
-    from b12x_inductor.plan import family_plan, select_plan, split_scratch_bytes
+    from b12x_inductor import kernels, validate
+    from b12x_inductor.plan import family_plan, select_plan
 
     problem = validate.check_paged_attention(
         s["q"], s["k_cache"], s["v_cache"], s["page_table"], s["cache_seqlens"], None, kv_layout="NHD",
         causal=True, scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0,
         k_descale=s["k_descale"], v_descale=s["v_descale"], out=None)
-    plan = family_plan(problem, family) if family else select_plan(problem)
-    if plan.family == "cute" and not _cute_supports(problem):
+    family = family or select_plan(problem).family
+    if family == "cute" and not _cute_supports(problem):
         return None
     fields = dict(zip(("num_splits", "block_n", "num_stages", "num_warps", "block_m"), variant or ()))
-    plan = dataclasses.replace(plan, **{k: v for k, v in fields.items() if v})
-    plan = dataclasses.replace(plan, scratch_bytes=split_scratch_bytes(problem, plan.num_splits,
-                                                                       always=plan.family == "cute"
-                                                                       and plan.mode != "extend"))
+    plan = family_plan(problem, family, **{k: v for k, v in fields.items() if v})
     out = torch.empty_like(s["q"])
-    lse = torch.empty(s["q"].shape[:-1], dtype=torch.float32, device=DEVICE)
-    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=DEVICE)
-    tensors = dict(q=s["q"], k_cache=s["k_cache"], v_cache=s["v_cache"], page_table=s["page_table"],
-                   cache_seqlens=s["cache_seqlens"], cu_seqlens_q=None, kv_start=None, sinks=None,
-                   k_descale=s["k_descale"], v_descale=s["v_descale"])
-    options = dict(kv_layout="NHD", causal=True, scale=D**-0.5, window_left=-1, softcap=0.0)
+    the_call = kernels.Call(
+        q=s["q"], k_cache=s["k_cache"], v_cache=s["v_cache"], page_table=s["page_table"],
+        cache_seqlens=s["cache_seqlens"], cu_seqlens_q=None, kv_start=None, sinks=None, k_descale=s["k_descale"],
+        v_descale=s["v_descale"], out=out, lse=torch.empty(s["q"].shape[:-1], dtype=torch.float32, device=DEVICE),
+        scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=DEVICE),
+        options=kernels.Options(kv_layout="NHD", causal=True, scale=D**-0.5, window_left=-1, softcap=0.0),
+        plan=plan)
 
     def call():
-        run_entry(plan.mode, plan.family, tensors, out=out, lse=lse, scratch=scratch, options=options,
-                  plan=plan.constants())
+        kernels.run(the_call)
     return call, lambda: out
 
 

@@ -1,5 +1,6 @@
 """The CuTe DSL kernel family (Hopper): decode and verify on the CUDA cores (decode.py) or the tensor cores
-(decode_mma.py); extend warp-specialized with wgmma (extend.py).
+(decode_mma.py); extend warp-specialized with wgmma (extend.py). `FAMILY` is its KernelFamily
+(kernels/__init__.py); its plans and where select_plan prefers it are in plan.py.
 
 Optional: it needs nvidia-cutlass-dsl (`pip install b12x-inductor[cute]`); without it `available()` is False
 and every plan runs on Triton. `run` launches the plan's kernel on torch's current stream (a CuTe launch
@@ -20,11 +21,12 @@ import functools
 
 import torch
 
-from b12x_inductor.plan import MAX_VERIFY_LEN
+from b12x_inductor.plan import FP8, MAX_VERIFY_LEN, Q_DTYPES_CUDA, next_pow2
 from b12x_inductor.validate import cache_dims
 
-FP8 = torch.float8_e4m3fn
-HEAD_DIMS = (64, 128, 256)
+from . import plan as _plan
+
+DECODE_HEAD_DIMS = (64, 128, 256)  # decode/verify (decode.py, decode_mma.py): a subset of plan.HEAD_DIMS
 EXTEND_HEAD_DIMS = (64, 128)  # extend.py: the P V accumulators take D / 2 fp32 registers per thread
 MAX_ROWS = 16  # query rows (S x Hq / Hkv) per CTA: the per-thread accumulators are rows x 2-4 fp32
 KEYS_PER_THREAD = 2  # score phase: keys per thread (each q read serves both)
@@ -54,13 +56,13 @@ def supports(problem) -> bool:
     (Installed or not: `available()` says that.)"""
     if problem.device_type != "cuda" or problem.capability not in VERIFIED_CAPABILITIES:
         return False
-    if problem.q_dtype not in (torch.bfloat16, torch.float16) or problem.kv_layout not in ("NHD", "HND"):
+    if problem.q_dtype not in Q_DTYPES_CUDA or problem.kv_layout not in ("NHD", "HND"):
         return False
     if problem.page_size < 1:
         return False
     if problem.packed or problem.q_len > MAX_VERIFY_LEN:
         return problem.kv_dtype == problem.q_dtype and problem.head_dim in EXTEND_HEAD_DIMS
-    return (problem.kv_dtype in (problem.q_dtype, FP8) and problem.head_dim in HEAD_DIMS
+    return (problem.kv_dtype in (problem.q_dtype, FP8) and problem.head_dim in DECODE_HEAD_DIMS
             and problem.q_len * problem.group <= MAX_ROWS)
 
 
@@ -234,7 +236,7 @@ def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
     from cuda.bindings.driver import CUstream
     from cutlass import Float32, Int32, Int64
 
-    from b12x_inductor.kernels.triton import _cache_strides, _descale_args
+    from b12x_inductor.kernels.triton import _cache_strides
 
     q, k_cache, v_cache, pt = tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["page_table"]
     layout = options["kv_layout"]
@@ -249,8 +251,8 @@ def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
     kp, ko, kh = _cache_strides(k_cache.stride(), layout)
     vp, vo, vh = _cache_strides(v_cache.stride(), layout)
     int_dummy = tensors["cache_seqlens"]
-    kds, kds_b, kds_h, has_kds = _descale_args(tensors["k_descale"], lse)
-    vds, vds_b, vds_h, has_vds = _descale_args(tensors["v_descale"], lse)
+    kds, kds_b, kds_h, has_kds = _descale(tensors["k_descale"], lse)
+    vds, vds_b, vds_h, has_vds = _descale(tensors["v_descale"], lse)
     kv_start, sinks = tensors["kv_start"], tensors["sinks"]
     window, softcap = int(options["window_left"]), float(options["softcap"])
     stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
@@ -289,7 +291,7 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     from cutlass import Float32, Int32, Int64
 
     from b12x_inductor.kernels.triton import decode as triton_decode
-    from b12x_inductor.kernels.triton import _cache_strides, _descale_args, _pow2
+    from b12x_inductor.kernels.triton import _cache_strides, split_partials
 
     q, k_cache, v_cache, pt = tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["page_table"]
     layout = options["kv_layout"]
@@ -301,12 +303,11 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     compiled = _compiled(_key(shapes, plan, options))
     splits = plan["num_splits"]
     rows = batch * s * hq * splits
-    part = scratch.view(torch.float32)
-    part_o, part_l = part[: rows * d], part[rows * d: rows * (d + 1)]
+    part_o, part_l = split_partials(scratch, rows, d)
     kp, ko, kh = _cache_strides(k_cache.stride(), layout)
     vp, vo, vh = _cache_strides(v_cache.stride(), layout)
-    kds, kds_b, kds_h, has_kds = _descale_args(tensors["k_descale"], lse)
-    vds, vds_b, vds_h, has_vds = _descale_args(tensors["v_descale"], lse)
+    kds, kds_b, kds_h, has_kds = _descale(tensors["k_descale"], lse)
+    vds, vds_b, vds_h, has_vds = _descale(tensors["v_descale"], lse)
     kv_start = tensors["kv_start"]
     window = int(options["window_left"])
     softcap = float(options["softcap"])
@@ -326,13 +327,15 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
         sinks = tensors["sinks"]
         triton_decode.merge_kernel[(batch * s * hq,)](
             part_o, part_l, sinks if sinks is not None else lse, out, lse, int(sinks is not None),
-            HQ=hq, D=d, BLOCK_D=_pow2(d), NUM_SPLITS=splits, SPLITS_P2=_pow2(splits), num_warps=4, num_stages=1)
+            HQ=hq, D=d, BLOCK_D=next_pow2(d), NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits), num_warps=4,
+            num_stages=1)
 
 
-def precompile(problem, plan, options: dict) -> None:
+def precompile(problem, plan, options) -> None:
     """Compiles the plan's kernels (decode/verify: also the Triton merge kernel) ahead of any launch."""
     if plan.family != "cute" or problem.device_type != "cuda":
         return
+    options = options.as_kwargs()
     shapes = dict(d=problem.head_dim, q_len=problem.q_len, hq=problem.num_q_heads, hkv=problem.num_kv_heads,
                   page_size=problem.page_size, q_dtype=problem.q_dtype, kv_dtype=problem.kv_dtype,
                   batch=problem.batch, packed=problem.packed)
@@ -345,14 +348,48 @@ def precompile(problem, plan, options: dict) -> None:
 
 @functools.cache
 def _precompile_merge(problem, splits: int) -> None:
-    from b12x_inductor.kernels.triton import _pow2
     from b12x_inductor.kernels.triton import decode as triton_decode
+    from b12x_inductor.kernels.triton._compile_only import load_now
 
     d, hq = problem.head_dim, problem.num_q_heads
     k = triton_decode.merge_kernel.warmup(
         torch.float32, torch.float32, torch.float32, problem.q_dtype, torch.float32, 0,
-        grid=(problem.batch * problem.q_len * hq,), HQ=hq, D=d, BLOCK_D=_pow2(d), NUM_SPLITS=splits,
-        SPLITS_P2=_pow2(splits), num_warps=4, num_stages=1)
-    init = getattr(k, "_init_handles", None)
-    if init is not None:
-        init()
+        grid=(problem.batch * problem.q_len * hq,), HQ=hq, D=d, BLOCK_D=next_pow2(d), NUM_SPLITS=splits,
+        SPLITS_P2=next_pow2(splits), num_warps=4, num_stages=1)
+    load_now(k)
+
+
+def _descale(ds, dummy):
+    """(pointer, stride over B, stride over Hkv, flag) of a descale (kernels/triton: Descale)."""
+    from b12x_inductor.kernels.triton import Descale
+
+    x = Descale.of(ds, dummy)
+    return x.ptr, x.stride_b, x.stride_h, x.present
+
+
+class CuteFamily:
+    """The CuTe DSL family as a KernelFamily (kernels/__init__.py)."""
+
+    name = "cute"
+
+    def available(self) -> bool:
+        return available()
+
+    def supports(self, problem) -> bool:
+        return supports(problem)
+
+    def preferred(self, problem) -> bool:
+        return _plan.measured_faster(problem)
+
+    def plan(self, problem, **tiles):
+        return _plan.plan(problem, **tiles)
+
+    def precompile(self, problem, plan, options) -> None:
+        precompile(problem, plan, options)
+
+    def run(self, call) -> None:
+        run(call.mode, call.inputs(), out=call.out, lse=call.lse, scratch=call.scratch,
+            options=call.options.as_kwargs(), plan=call.plan.constants())
+
+
+FAMILY = CuteFamily()

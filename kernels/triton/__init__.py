@@ -1,6 +1,6 @@
 """The Triton kernel family (CUDA): decode/verify (split-KV with GQA packing, decode.py) and extend (extend.py).
 
-`run` launches the plan's kernels on torch's current stream and writes only `out`, `lse` and the plan's
+`FAMILY` is its KernelFamily (kernels/__init__.py); its plans are in plan.py. `run` launches the plan's kernels on torch's current stream and writes only `out`, `lse` and the plan's
 `scratch`: no allocation, no host sync, lengths read on the device, so it is CUDA-graph safe. `precompile`
 compiles the same kernels ahead from the static Problem (Triton's `warmup`), so that no JIT compile happens
 inside a capture. Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests use this); the
@@ -9,15 +9,16 @@ interpreter's bf16/fp16 `tl.dot` is wrong on CPU, so there the products run in f
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
 import torch
 
-from b12x_inductor.plan import HEAD_DIMS
+from b12x_inductor.plan import FP8, HEAD_DIMS, Q_DTYPES_CUDA, next_pow2
 from b12x_inductor.validate import cache_dims
 
-FP8 = torch.float8_e4m3fn
-_Q_DTYPES = (torch.bfloat16, torch.float16)
+from . import plan as _plan
 
 
 def _interpreting() -> bool:
@@ -44,15 +45,11 @@ def supports(problem) -> bool:
     cap = tuple(problem.capability)
     if problem.device_type != "cuda" or not MIN_CAPABILITY <= cap or cap[0] > MAX_MAJOR:
         return False
-    if problem.q_dtype not in _Q_DTYPES or problem.kv_dtype not in (problem.q_dtype, FP8):
+    if problem.q_dtype not in Q_DTYPES_CUDA or problem.kv_dtype not in (problem.q_dtype, FP8):
         return False
     if problem.kv_dtype == FP8 and cap < FP8_MIN_CAPABILITY:
         return False
     return problem.head_dim in HEAD_DIMS and problem.kv_layout in ("NHD", "HND") and problem.page_size >= 1
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _dot_dtype(q_dtype, kv_dtype):
@@ -74,82 +71,115 @@ def _cache_strides(stride: tuple, kv_layout: str) -> tuple[int, int, int]:
     return (stride[0], stride[1], stride[2]) if kv_layout == "NHD" else (stride[0], stride[2], stride[1])
 
 
-def _descale_args(ds, dummy):
-    """(pointer, stride over B, stride over Hkv, flag) of a descale that is None, a scalar, [B] or [B, Hkv]."""
-    if ds is None:
-        return dummy, 0, 0, 0
-    if ds.dim() == 0:
-        return ds, 0, 0, 1
-    if ds.dim() == 1:
-        return ds, ds.stride(0), 0, 1
-    return ds, ds.stride(0), ds.stride(1), 1
+@dataclasses.dataclass(frozen=True)
+class Descale:
+    """A descale as the kernels take it: pointer, strides over B and Hkv, and a flag (0: absent, a valid
+    dummy pointer with zero strides)."""
+
+    ptr: object
+    stride_b: int = 0
+    stride_h: int = 0
+    present: int = 0
+
+    @classmethod
+    def of(cls, ds, dummy) -> Descale:
+        """Of a descale that is None, a scalar, [B] or [B, Hkv]."""
+        if ds is None:
+            return cls(dummy)
+        if ds.dim() == 0:
+            return cls(ds, 0, 0, 1)
+        if ds.dim() == 1:
+            return cls(ds, ds.stride(0), 0, 1)
+        return cls(ds, ds.stride(0), ds.stride(1), 1)
 
 
-def _contiguous_strides(shape) -> tuple:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return tuple(reversed(strides))
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Launch:
+    """Everything one launch of a plan's kernels takes. Sizes and strides are static; the operands are
+    tensors (a run) or their dtypes (`warmup` and compile-only: Triton specializes on dtypes, not values).
+    Absent optional tensors are valid dummy pointers with a zero flag."""
+
+    # static sizes
+    batch: int
+    q_len: int  # S, or the capacity T of packed q
+    packed: bool
+    hq: int
+    hkv: int
+    d: int
+    page_size: int
+    max_pages: int  # the page table's columns (lengths clamp to max_pages * page_size)
+    num_pages: int  # pages both caches hold (page ids clamp to [0, num_pages - 1])
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    # strides, in elements
+    q_strides: tuple[int, int, int]  # (request, token, head); request 0 for packed q
+    k_strides: tuple[int, int, int]  # (page, slot, head)
+    v_strides: tuple[int, int, int]
+    pt_stride: int
+    # operands
+    q: object
+    k: object
+    v: object
+    pt: object
+    seqlens: object
+    cu: object
+    kv_start: object
+    sinks: object
+    kds: Descale
+    vds: Descale
+    out: object
+    lse: object
+    part_o: object  # split partials (decode/verify with splits > 1), else lse as a dummy
+    part_l: object
+    has_kv_start: int
+    has_sinks: int
 
 
-def _launch(mode, shapes, t, *, plan, options, warmup=False, compile_with=None):
-    """Launches (or, with warmup, compiles) the kernels of one plan. `compile_with(kernel, args, consts, tune)`
-    replaces `kernel.warmup` (kernels/triton/_compile_only.py: compiles for another GPU).
-
-    shapes: dict of static sizes (batch, q_len, packed, hq, hkv, d, page_size, max_pages: the page table's
-    columns, num_pages: the pages both caches hold) and strides (q, k, v, pt);
-    t: dict of tensors (or, for warmup, their dtypes) q, k, v, pt, seqlens, cu, kv_start, sinks, kds, vds,
-    out, lse, part_o, part_l with descale strides and flags.
-    """
+def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
+    """Launches (or, with warmup, compiles) the kernels of one plan (a Plan) with `options` (an Options).
+    `compile_with(kernel, args, consts, tune)` replaces `kernel.warmup` (kernels/triton/_compile_only.py:
+    compiles for another GPU)."""
     from . import decode, extend
 
-    batch, s, hq, hkv, d = shapes["batch"], shapes["q_len"], shapes["hq"], shapes["hkv"], shapes["d"]
-    g = hq // hkv
-    kp, ko, kh = _cache_strides(shapes["k_stride"], options["kv_layout"])
-    vp, vo, vh = _cache_strides(shapes["v_stride"], options["kv_layout"])
-    qs = shapes["q_stride"]
-    q_strides = (0, qs[0], qs[1]) if shapes["packed"] else (qs[0], qs[1], qs[2])
-    window = int(options["window_left"])
-    softcap = float(options["softcap"])
+    x = launch
+    g = x.hq // x.hkv
+    window = options.window_left
+    softcap = options.softcap
     common = (
-        *q_strides, kp, ko, kh, vp, vo, vh, shapes["pt_stride"],
-        t["kds_b"], t["kds_h"], t["vds_b"], t["vds_h"],
-        t["has_kv_start"], t["has_sinks"], t["has_kds"], t["has_vds"],
-        max(window, 0), float(options["scale"]), softcap if softcap > 0 else 1.0,
-        shapes["max_pages"], shapes["num_pages"],
+        *x.q_strides, *x.k_strides, *x.v_strides, x.pt_stride,
+        x.kds.stride_b, x.kds.stride_h, x.vds.stride_b, x.vds.stride_h,
+        x.has_kv_start, x.has_sinks, x.kds.present, x.vds.present,
+        max(window, 0), options.scale, softcap if softcap > 0 else 1.0,
+        x.max_pages, x.num_pages,
     )
-    flags = dict(CAUSAL=bool(options["causal"]), USE_WINDOW=window >= 0, USE_SOFTCAP=softcap > 0,
-                 DOT=_dot_dtype(shapes["q_dtype"], shapes["kv_dtype"]), D=d, BLOCK_D=_pow2(d),
-                 PAGE=shapes["page_size"])
-    tune = dict(num_warps=plan["num_warps"], num_stages=plan["num_stages"])
-    if mode == "extend":
-        block_m = plan["block_m"]
-        tiles = -(-s // block_m) + batch if shapes["packed"] else batch * -(-s // block_m)
-        grid = (hq, tiles)
-        args = (t["q"], t["k"], t["v"], t["pt"], t["seqlens"], t["cu"], t["kv_start"], t["sinks"], t["kds"],
-                t["vds"], t["out"], t["lse"], *common)
-        consts = dict(B=batch, S=s, B_P2=_pow2(batch + 1), G=g, HQ=hq, BLOCK_M=block_m, BLOCK_N=plan["block_n"],
-                      PACKED=bool(shapes["packed"]), **flags)
+    flags = dict(CAUSAL=options.causal, USE_WINDOW=window >= 0, USE_SOFTCAP=softcap > 0,
+                 DOT=_dot_dtype(x.q_dtype, x.kv_dtype), D=x.d, BLOCK_D=next_pow2(x.d), PAGE=x.page_size)
+    tune = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if plan.mode == "extend":
+        tiles = -(-x.q_len // plan.block_m) + x.batch if x.packed else x.batch * -(-x.q_len // plan.block_m)
+        grid = (x.hq, tiles)
+        args = (x.q, x.k, x.v, x.pt, x.seqlens, x.cu, x.kv_start, x.sinks, x.kds.ptr, x.vds.ptr, x.out, x.lse,
+                *common)
+        consts = dict(B=x.batch, S=x.q_len, B_P2=next_pow2(x.batch + 1), G=g, HQ=x.hq, BLOCK_M=plan.block_m,
+                      BLOCK_N=plan.block_n, PACKED=x.packed, **flags)
         if warmup:
             return [compile_with(extend.extend_kernel, args, consts, tune) if compile_with else
                     extend.extend_kernel.warmup(*args, grid=grid, **consts, **tune)]
         extend.extend_kernel[grid](*args, **consts, **tune)
         return None
 
-    splits = plan["num_splits"]
-    block_m = plan["block_m"]
-    m_tiles = -(-(s * g) // block_m)
-    grid = (batch * hkv * m_tiles, splits)
-    args = (t["q"], t["k"], t["v"], t["pt"], t["seqlens"], t["kv_start"], t["sinks"], t["kds"], t["vds"],
-            t["out"], t["lse"], t["part_o"], t["part_l"], *common)
-    consts = dict(S=s, G=g, HKV=hkv, M_TILES=m_tiles, BLOCK_M=block_m, BLOCK_N=plan["block_n"],
+    splits = plan.num_splits
+    m_tiles = -(-(x.q_len * g) // plan.block_m)
+    grid = (x.batch * x.hkv * m_tiles, splits)
+    args = (x.q, x.k, x.v, x.pt, x.seqlens, x.kv_start, x.sinks, x.kds.ptr, x.vds.ptr, x.out, x.lse, x.part_o,
+            x.part_l, *common)
+    consts = dict(S=x.q_len, G=g, HKV=x.hkv, M_TILES=m_tiles, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
                   NUM_SPLITS=splits, **flags)
-    merge_grid = (batch * s * hq,)
-    merge_args = (t["part_o"], t["part_l"], t["sinks"], t["out"], t["lse"], t["has_sinks"])
-    merge_consts = dict(HQ=hq, D=d, BLOCK_D=_pow2(d), NUM_SPLITS=splits, SPLITS_P2=_pow2(splits))
+    merge_grid = (x.batch * x.q_len * x.hq,)
+    merge_args = (x.part_o, x.part_l, x.sinks, x.out, x.lse, x.has_sinks)
+    merge_consts = dict(HQ=x.hq, D=x.d, BLOCK_D=next_pow2(x.d), NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits))
+    merge_tune = dict(num_warps=4, num_stages=1)
     if warmup:
-        merge_tune = dict(num_warps=4, num_stages=1)
         if compile_with:
             kernels = [compile_with(decode.split_kernel, args, consts, tune)]
             if splits > 1:
@@ -161,101 +191,123 @@ def _launch(mode, shapes, t, *, plan, options, warmup=False, compile_with=None):
         return kernels
     decode.split_kernel[grid](*args, **consts, **tune)
     if splits > 1:
-        decode.merge_kernel[merge_grid](*merge_args, **merge_consts, num_warps=4, num_stages=1)
+        decode.merge_kernel[merge_grid](*merge_args, **merge_consts, **merge_tune)
     return None
 
 
-def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
-    """Runs one plan's kernels: writes out, lse and scratch only."""
-    q, k_cache, v_cache = tensors["q"], tensors["k_cache"], tensors["v_cache"]
-    packed = q.dim() == 3
-    page_size, hkv = cache_dims(k_cache.shape, options["kv_layout"])
-    shapes = dict(
-        batch=tensors["page_table"].shape[0], q_len=q.shape[0] if packed else q.shape[1], packed=packed,
-        hq=q.shape[-2], hkv=hkv, d=q.shape[-1], page_size=page_size, q_dtype=q.dtype, kv_dtype=k_cache.dtype,
-        q_stride=q.stride(), k_stride=k_cache.stride(), v_stride=v_cache.stride(),
-        pt_stride=tensors["page_table"].stride(0), max_pages=tensors["page_table"].shape[1],
-        num_pages=min(k_cache.shape[0], v_cache.shape[0]),
-    )
-    t = dict(q=q, k=k_cache, v=v_cache, pt=tensors["page_table"], seqlens=tensors["cache_seqlens"], out=out,
-             lse=lse)
-    int_dummy, float_dummy = tensors["cache_seqlens"], lse
-    t["cu"] = tensors["cu_seqlens_q"] if packed else int_dummy
-    t["kv_start"] = int_dummy if tensors["kv_start"] is None else tensors["kv_start"]
-    t["has_kv_start"] = int(tensors["kv_start"] is not None)
-    t["sinks"] = float_dummy if tensors["sinks"] is None else tensors["sinks"]
-    t["has_sinks"] = int(tensors["sinks"] is not None)
-    t["kds"], t["kds_b"], t["kds_h"], t["has_kds"] = _descale_args(tensors["k_descale"], float_dummy)
-    t["vds"], t["vds_b"], t["vds_h"], t["has_vds"] = _descale_args(tensors["v_descale"], float_dummy)
-    if mode != "extend":
-        part = scratch.view(torch.float32) if plan["num_splits"] > 1 else lse
-        rows = shapes["batch"] * shapes["q_len"] * shapes["hq"] * plan["num_splits"]
-        t["part_o"] = part[: rows * shapes["d"]] if plan["num_splits"] > 1 else lse
-        t["part_l"] = part[rows * shapes["d"]: rows * (shapes["d"] + 1)] if plan["num_splits"] > 1 else lse
-    with torch.cuda.device(q.device) if q.is_cuda else _null():
-        _launch(mode, shapes, t, plan=plan, options=options)
+def split_partials(scratch: torch.Tensor, rows: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(part_o [rows * D], part_l [rows]) fp32 views of a split-KV scratch (rows: B x S x Hq x splits), the
+    layout both families' split kernels write and the merge kernel reads."""
+    part = scratch.view(torch.float32)
+    return part[: rows * d], part[rows * d: rows * (d + 1)]
 
 
-class _null:
-    def __enter__(self):
-        return None
+def _launch_of(call) -> Launch:
+    """The Launch of one Call."""
+    q, k_cache, v_cache, pt = call.q, call.k_cache, call.v_cache, call.page_table
+    layout = call.options.kv_layout
+    page_size, hkv = cache_dims(k_cache.shape, layout)
+    batch, q_len = pt.shape[0], (q.shape[0] if call.packed else q.shape[1])
+    qs = q.stride()
+    int_dummy, float_dummy = call.cache_seqlens, call.lse
+    part_o = part_l = call.lse
+    if call.mode != "extend" and call.plan.num_splits > 1:
+        part_o, part_l = split_partials(call.scratch, batch * q_len * q.shape[-2] * call.plan.num_splits,
+                                        q.shape[-1])
+    return Launch(
+        batch=batch, q_len=q_len, packed=call.packed, hq=q.shape[-2], hkv=hkv, d=q.shape[-1], page_size=page_size,
+        max_pages=pt.shape[1], num_pages=min(k_cache.shape[0], v_cache.shape[0]), q_dtype=q.dtype,
+        kv_dtype=k_cache.dtype, q_strides=(0, qs[0], qs[1]) if call.packed else (qs[0], qs[1], qs[2]),
+        k_strides=_cache_strides(k_cache.stride(), layout), v_strides=_cache_strides(v_cache.stride(), layout),
+        pt_stride=pt.stride(0), q=q, k=k_cache, v=v_cache, pt=pt, seqlens=call.cache_seqlens,
+        cu=call.cu_seqlens_q if call.packed else int_dummy,
+        kv_start=int_dummy if call.kv_start is None else call.kv_start,
+        sinks=float_dummy if call.sinks is None else call.sinks,
+        kds=Descale.of(call.k_descale, float_dummy), vds=Descale.of(call.v_descale, float_dummy),
+        out=call.out, lse=call.lse, part_o=part_o, part_l=part_l, has_kv_start=int(call.kv_start is not None),
+        has_sinks=int(call.sinks is not None))
 
-    def __exit__(self, *exc):
-        return False
+
+def run(call) -> None:
+    """Runs one plan's kernels: writes call.out, call.lse and call.scratch only."""
+    with torch.cuda.device(call.q.device) if call.q.is_cuda else _no_device():
+        _launch(_launch_of(call), call.plan, call.options)
 
 
-def precompile(problem, plan, options: dict) -> None:
-    """Compiles the kernels of one plan ahead of any launch, for the standard (contiguous) strides of the
-    problem's tensors; kv_start, sinks and descales are runtime flags, so one compile serves them all."""
-    if plan.family != "triton" or _interpreting() or problem.device_type != "cuda":
-        return
-    _precompiled(problem, _plan_key(plan), tuple(sorted(options.items())))
+def _no_device():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
-def _plan_key(plan) -> tuple:
-    return (plan.mode, plan.num_splits, plan.block_m, plan.block_n, plan.num_warps, plan.num_stages)
+def _contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
 
 
-_DONE: dict = {}
-
-
-def _warmup_inputs(problem, plan_key, options_items):
-    """(mode, shapes, t, plan, options) of `_launch(..., warmup=True)` for one plan: the standard (contiguous)
-    strides of the problem's tensors, pointers given as dtypes, runtime flags off."""
-    mode, splits, block_m, block_n, num_warps, num_stages = plan_key
-    plan = dict(num_splits=splits, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    options = dict(options_items)
+def warmup_launch(problem, options) -> Launch:
+    """The Launch `precompile` compiles for: the standard (contiguous) strides of the problem's tensors,
+    operands given as dtypes, runtime flags off (kv_start, sinks and descales are runtime flags, so one
+    compile serves them all)."""
     b, s, hq, hkv, d, ps = (problem.batch, problem.q_len, problem.num_q_heads, problem.num_kv_heads,
                             problem.head_dim, problem.page_size)
-    cache_shape = (1, ps, hkv, d) if problem.kv_layout == "NHD" else (1, hkv, ps, d)
-    q_shape = (s, hq, d) if problem.packed else (b, s, hq, d)
-    shapes = dict(batch=b, q_len=s, packed=problem.packed, hq=hq, hkv=hkv, d=d, page_size=ps,
-                  q_dtype=problem.q_dtype, kv_dtype=problem.kv_dtype, q_stride=_contiguous_strides(q_shape),
-                  k_stride=_contiguous_strides(cache_shape), v_stride=_contiguous_strides(cache_shape),
-                  pt_stride=problem.max_pages, max_pages=problem.max_pages, num_pages=1)
+    cache = _contiguous_strides((1, ps, hkv, d) if problem.kv_layout == "NHD" else (1, hkv, ps, d))
+    q_strides = _contiguous_strides((s, hq, d) if problem.packed else (b, s, hq, d))
     f32, i32 = torch.float32, torch.int32
-    t = dict(q=problem.q_dtype, k=problem.kv_dtype, v=problem.kv_dtype, pt=i32, seqlens=i32, cu=i32,
-             kv_start=i32, sinks=f32, kds=f32, vds=f32, out=problem.q_dtype, lse=f32, part_o=f32, part_l=f32,
-             kds_b=0, kds_h=0, vds_b=0, vds_h=0, has_kv_start=0, has_sinks=0, has_kds=0, has_vds=0)
-    return mode, shapes, t, plan, options
+    return Launch(
+        batch=b, q_len=s, packed=problem.packed, hq=hq, hkv=hkv, d=d, page_size=ps, max_pages=problem.max_pages,
+        num_pages=1, q_dtype=problem.q_dtype, kv_dtype=problem.kv_dtype,
+        q_strides=(0, q_strides[0], q_strides[1]) if problem.packed else q_strides[:3],
+        k_strides=_cache_strides(cache, problem.kv_layout), v_strides=_cache_strides(cache, problem.kv_layout),
+        pt_stride=problem.max_pages, q=problem.q_dtype, k=problem.kv_dtype, v=problem.kv_dtype, pt=i32,
+        seqlens=i32, cu=i32, kv_start=i32, sinks=f32, kds=Descale(f32), vds=Descale(f32), out=problem.q_dtype,
+        lse=f32, part_o=f32, part_l=f32, has_kv_start=0, has_sinks=0)
 
 
-def _launch_inputs_compiled(problem, plan, options: dict, compile_with) -> list:
-    """The kernels of one plan compiled by `compile_with` (kernels/triton/_compile_only.py), no GPU needed."""
-    mode, shapes, t, plan_d, options_d = _warmup_inputs(problem, _plan_key(plan), tuple(sorted(options.items())))
-    return _launch(mode, shapes, t, plan=plan_d, options=options_d, warmup=True, compile_with=compile_with)
+def precompile(problem, plan, options) -> None:
+    """Compiles the kernels of one plan ahead of any launch and loads them (kernels/triton/_compile_only.py:
+    `load_now`), so neither happens at the first launch, which may be inside a capture."""
+    if plan.family != "triton" or _interpreting() or problem.device_type != "cuda":
+        return
+    _precompiled(problem, plan, options)
 
 
-def _precompiled(problem, plan_key, options_items):
-    key = (problem, plan_key, options_items)
-    if key in _DONE:
-        return _DONE[key]
-    mode, shapes, t, plan, options = _warmup_inputs(problem, plan_key, options_items)
+@functools.cache
+def _precompiled(problem, plan, options):
+    from ._compile_only import load_now
+
     with torch.cuda.device(torch.cuda.current_device()):
-        kernels = _launch(mode, shapes, t, plan=plan, options=options, warmup=True)
+        kernels = _launch(warmup_launch(problem, options), plan, options, warmup=True)
         for k in kernels or ():
-            init = getattr(k, "_init_handles", None)
-            if init is not None:
-                init()  # loads the module now, not at the first launch (which may be inside a capture)
-    _DONE[key] = kernels
+            load_now(k)
     return kernels
+
+
+class TritonFamily:
+    """The Triton family as a KernelFamily (kernels/__init__.py)."""
+
+    name = "triton"
+
+    def available(self) -> bool:
+        return True  # a dependency of the package
+
+    def supports(self, problem) -> bool:
+        return supports(problem)
+
+    def preferred(self, problem) -> bool:
+        return True  # faster than the torch family wherever it runs
+
+    def plan(self, problem, **tiles):
+        return _plan.plan(problem, **tiles)
+
+    def precompile(self, problem, plan, options) -> None:
+        precompile(problem, plan, options)
+
+    def run(self, call) -> None:
+        run(call)
+
+
+FAMILY = TritonFamily()

@@ -1,10 +1,12 @@
-"""Compiles the Triton family's kernels for a GPU this machine need not have (CI: no GPU at all).
+"""The one module that touches Triton's private APIs: compiling for a GPU this machine need not have (CI: no
+GPU at all), and loading a compiled kernel ahead of its first launch.
 
-The one place that touches Triton's compiler API directly (`triton.compile` of an `ASTSource` for a
-`GPUTarget`): `precompile_for(problem, plan, options, cc)` takes the same arguments and constants that
-`precompile` hands to `JITFunction.warmup` on a GPU (kernels/triton/__init__.py: `_launch`), and
-compiles them for compute capability `cc` (80, 89, 90, 100, 120 ...) instead of the current device.
-No kernel is loaded or run; the result's metadata says what it needs (shared memory, registers).
+`precompile_for(problem, plan, options, cc)` compiles (`triton.compile` of an `ASTSource` for a `GPUTarget`)
+the same arguments and constants that `precompile` hands to `JITFunction.warmup` on a GPU
+(kernels/triton/__init__.py: `_launch`), for compute capability `cc` (80, 89, 90, 100, 120 ...) instead of
+the current device. No kernel is loaded or run; the result's metadata says what it needs (shared memory,
+registers). `load_now(kernel)` loads a warmed-up kernel's module (`CompiledKernel._init_handles`), which
+Triton otherwise does at the first launch, possibly inside a CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -48,9 +50,19 @@ def compile_kernel(kernel, args: tuple, consts: dict, tune: dict, cc: int):
     return triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(tune))
 
 
-def precompile_for(problem, plan, options: dict, cc: int) -> list:
-    """The compiled kernels (split and merge, or extend) of one Triton plan, for compute capability `cc`."""
+def precompile_for(problem, plan, options, cc: int) -> list:
+    """The compiled kernels (split and merge, or extend) of one Triton plan (a Plan, with an Options), for
+    compute capability `cc`."""
     from b12x_inductor.kernels import triton as triton_kernels
 
-    return triton_kernels._launch_inputs_compiled(
-        problem, plan, options, lambda kernel, args, consts, tune: compile_kernel(kernel, args, consts, tune, cc))
+    return triton_kernels._launch(
+        triton_kernels.warmup_launch(problem, options), plan, options, warmup=True,
+        compile_with=lambda kernel, args, consts, tune: compile_kernel(kernel, args, consts, tune, cc))
+
+
+def load_now(kernel) -> None:
+    """Loads a compiled kernel's module now (Triton's private `_init_handles`; absent in some versions, where
+    the load stays lazy)."""
+    init = getattr(kernel, "_init_handles", None)
+    if init is not None:
+        init()

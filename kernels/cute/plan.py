@@ -1,0 +1,47 @@
+"""The CuTe DSL family's plans and where select_plan prefers it over Triton (pure functions of the Problem).
+
+Decode/verify: one CTA per (request, KV head, split) with all S x G query rows and a ring of `num_stages`
+tiles of `block_n` keys; the split count is the Triton family's rule. block_m 1 selects the CUDA-core kernel
+(decode.py), 16 (MMA_M) the tensor-core one (decode_mma.py), which takes float8 decode once a split spans
+at least MMA_MIN_SPLIT_KEYS keys of capacity. Extend: 128 query rows (two consumer warpgroups) and a
+producer warpgroup, 128-key tiles, as many stages as shared memory holds (extend_geometry). The choices
+and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL kernels".
+"""
+
+from __future__ import annotations
+
+from b12x_inductor.kernels.triton.plan import num_splits as triton_num_splits
+from b12x_inductor.plan import FP8, Plan, Problem, split_scratch_bytes, with_tiles
+
+TILE = dict(block_m=1, block_n=64, num_stages=2, num_warps=4)
+MMA_TILE = dict(block_m=16, block_n=128, num_stages=2, num_warps=4)
+MMA_MIN_SPLIT_KEYS = 1024
+
+
+def plan(problem: Problem, **tiles) -> Plan:
+    """The family's plan; `tiles` replace its tile choices (plan.family_plan)."""
+    return with_tiles(problem, _plan(problem), tiles, always_split=True)
+
+
+def _plan(problem: Problem) -> Plan:
+    if problem.mode == "extend":
+        return Plan(mode="extend", family="cute", num_splits=1, block_m=128, block_n=128, num_warps=12,
+                    num_stages=3 if problem.head_dim > 64 else 4, scratch_bytes=0)
+    splits = triton_num_splits(problem, problem.batch * problem.num_kv_heads)
+    tile = TILE
+    if (problem.mode == "decode" and problem.kv_dtype == FP8 and problem.head_dim <= 128
+            and problem.kv_capacity // splits >= MMA_MIN_SPLIT_KEYS):
+        tile = MMA_TILE
+    # the split kernel always writes partials and the merge kernel combines them, even for one split
+    return Plan(mode=problem.mode, family="cute", num_splits=splits, **tile,
+                scratch_bytes=split_scratch_bytes(problem, splits, always=True))
+
+
+def measured_faster(problem: Problem) -> bool:
+    """Where the CuTe family measured faster than Triton on the H200 (h200.md, "CuTe DSL kernels"): extend,
+    wherever the family expresses it (`supports`), and decode from a float8 cache with D = 128 and at most 4
+    query heads per KV head. bf16 decode and verify stay on Triton (whose products run on tensor cores), as
+    do the decode configurations never measured (other head dims, larger groups)."""
+    if problem.mode == "extend":
+        return True
+    return problem.mode == "decode" and problem.kv_dtype == FP8 and problem.head_dim == 128 and problem.group <= 4
