@@ -13,6 +13,8 @@
 - `compile_stats()`: a snapshot of Dynamo's and Inductor's process-wide compile counters and timers (the
   serving engine reports their deltas per bucket).
 - `cache_dir(path)`: Inductor's and Triton's on-disk caches in `path` for a block (the engine's compile cache).
+- `more_recompiles(entries)`: Dynamo's recompile limits raised by `entries` for a block (the engine's and
+  the benchmarks' warm-ups compile one entry per bucket of the same code), scoped, never process-wide.
 """
 
 from __future__ import annotations
@@ -131,3 +133,11 @@ def cache_dir(path: str):
             else:
                 os.environ[name] = value
         clear_caches()
+
+
+def more_recompiles(entries: int):
+    """A context in which Dynamo's recompile limits are `entries` higher (and the accumulated limit 4x that):
+    each bucket of a compiled function is one more cache entry of the same code object."""
+    dyn = torch._dynamo.config
+    return dyn.patch(recompile_limit=dyn.recompile_limit + entries,
+                     accumulated_recompile_limit=dyn.accumulated_recompile_limit + 4 * entries)

@@ -44,7 +44,6 @@ class SdpaCall:
     dropout_p: float
     is_causal: bool
     scale: float | None
-    enable_gqa: bool
     output: fx.Node | None  # the node holding the attention output (getitem 0, or the node itself)
     other_outputs_used: bool
 
@@ -65,7 +64,7 @@ def match(node: fx.Node) -> SdpaCall | None:
     return SdpaCall(
         node=node, q=kw["query"], k=kw["key"], v=kw["value"], mask=kw.get(mask_name) if mask_name else None,
         dropout_p=float(kw.get("dropout_p", 0.0)), is_causal=bool(kw.get("is_causal", False)),
-        scale=kw.get("scale"), enable_gqa=bool(kw.get("enable_gqa", False)), output=output,
+        scale=kw.get("scale"), output=output,
         other_outputs_used=others)
 
 

@@ -63,7 +63,3 @@ class PageAllocator:
             self._used.remove(p)
             self._free.append(p)
         pages.clear()
-
-    @staticmethod
-    def slot(pages: list[int], position: int, page_size: int) -> int:
-        return pages[position // page_size] * page_size + position % page_size

@@ -233,6 +233,9 @@ def register_attention() -> None:
     AttentionInterface.register(ATTN_NAME, _attention)
 
 
+_WARMED_ENTRIES = [0]  # Dynamo cache entries the warm-ups of this process's runners have compiled
+
+
 class ModelRunner:
     """Owns the paged KV pool of a transformers causal LM and runs scheduler steps through it.
 
@@ -285,14 +288,11 @@ class ModelRunner:
         self._graphs: dict[tuple[str, int, int], tuple] = {}  # regional on CUDA: bucket -> (graph, meta, out)
         self._pool = None
         self.forward = self._forward
+        # Every runner's buckets are cache entries of the same code objects (ModelRunner._forward, or
+        # _layer_region once per layer kind): warm-up raises Dynamo's limits by this runner's count while it
+        # compiles (serving compiles nothing: fail_on_recompile), so several engines in one process never hit them.
+        self._entries = len(self.buckets) * (self.layer_kinds if self.regional else 1)
         if config.compile:
-            # Every runner's buckets are cache entries of the same code objects (ModelRunner._forward, or
-            # _layer_region once per layer kind), so each runner adds its count to Dynamo's limits: several
-            # engines in one process never hit them.
-            entries = len(self.buckets) * (self.layer_kinds if self.regional else 1)
-            dyn = torch._dynamo.config
-            dyn.recompile_limit += entries
-            dyn.accumulated_recompile_limit += 4 * entries
             if not self.regional:
                 self.forward = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                              mode="reduce-overhead" if self.cuda_graphs else None)
@@ -440,6 +440,11 @@ class ModelRunner:
         the smallest bucket eagerly, so an attention argument the engine refuses raises its ValueError here
         (under torch.compile it would surface wrapped in a Dynamo error). Every call after a bucket's first
         runs under fail_on_recompile. Returns where each bucket's time went (`BucketWarmup`)."""
+        _WARMED_ENTRIES[0] += self._entries  # with those earlier runners left on the same code objects
+        with _inductor.more_recompiles(_WARMED_ENTRIES[0]):
+            return self._warmup()
+
+    def _warmup(self) -> list[BucketWarmup]:
         self._graphs.clear()
         kind, rows, width = self.buckets[0]
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
