@@ -12,11 +12,7 @@ import os
 
 import torch
 
-from b12x_inductor.plan import HEAD_DIMS, Problem, device_facts
-
-FP8 = torch.float8_e4m3fn
-Q_DTYPES_CUDA = (torch.bfloat16, torch.float16)
-Q_DTYPES_CPU = (torch.bfloat16, torch.float16, torch.float32)
+from b12x_inductor.plan import FP8, HEAD_DIMS, Q_DTYPES_CPU, Q_DTYPES_CUDA, Problem, device_facts  # noqa: F401
 
 
 REFUSALS = {e.__name__: e for e in (ValueError, TypeError, RuntimeError)}
