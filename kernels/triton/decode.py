@@ -11,8 +11,8 @@ otherwise it writes each split's normalized partial output and log2-sum-exp into
 Key j of request b lives at page page_table[b, j // PAGE] offset j % PAGE; the page id is widened to 64 bits
 before it is multiplied by the cache's page stride. NHD and HND differ only in the strides passed.
 
-Device values are clamped to what the kernels know from the tensors' shapes (`live_range`, `page_id`), so
-no value makes them touch memory outside their tensors (the README's "Bad input" states the contract).
+The math both kernels share (one tile of the online softmax, the clamped key range, the epilogue) is in
+common.py.
 """
 
 from __future__ import annotations
@@ -20,79 +20,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
-NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so masked tiles never make exp2(-inf - -inf)
+from .common import LN2, LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, tile
 
 
-@triton.jit
-def _tanh(x):
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def live_range(SEQLENS, KV_START, has_kv_start, b, max_pages, PAGE: tl.constexpr):
-    """(length, start) of request b, clamped: the length to [0, max_pages * PAGE] (the page table's capacity),
-    kv_start to [0, length]."""
-    length = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), max_pages * PAGE)
-    start = tl.where(has_kv_start != 0, tl.load(KV_START + b), 0)
-    return length, tl.minimum(tl.maximum(start, 0), length)
-
-
-@triton.jit
-def page_id(page, num_pages):
-    """A page id clamped to [0, num_pages - 1], as int64 (the cache's page stride may pass 2^31 elements)."""
-    return tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
-
-
-@triton.jit
-def _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp, stride_ko,
-          stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
-          BLOCK_N: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
-          CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
-    """One BLOCK_N-key tile of the online softmax (decode, verify and extend): gathers the tile's K and V
-    through the page table, applies scale, softcap and (MASKED) the kv_start / causal / window masks and the
-    tile end `hi`, and returns the updated (acc, m, l). Unmasked tiles (extend's middle) skip every mask."""
-    offs_n = j0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < hi
-    if MASKED:
-        page = page_id(tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0), num_pages)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-    else:
-        page = page_id(tl.load(pt_row + offs_n // PAGE), num_pages)
-        kv_mask = d_ok[None, :]
-    slot = (offs_n % PAGE).to(tl.int64)
-    k_ptrs = k_head + page[:, None] * stride_kp + slot[:, None] * stride_ko + offs_d[None, :]
-    v_ptrs = v_head + page[:, None] * stride_vp + slot[:, None] * stride_vo + offs_d[None, :]
-    if MASKED or not EVEN_D:
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    if USE_SOFTCAP:
-        logits = softcap * LOG2E * _tanh(tl.dot(q, tl.trans(k.to(DOT))) * (k_scale / softcap))
-    else:
-        logits = tl.dot(q, tl.trans(k.to(DOT))) * (k_scale * LOG2E)
-    if MASKED:
-        visible = n_ok[None, :] & (offs_n[None, :] >= start)
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= limit[:, None])
-        if USE_WINDOW:
-            visible = visible & (offs_n[None, :] >= limit[:, None] - window_left)
-        logits = tl.where(visible, logits, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(logits, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(logits - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
-    return acc, m_new, l_i
-
-
-@triton.jit(do_not_specialize=[
-    "KV_START", "SINKS", "KDS", "VDS", "kds_b", "kds_h", "vds_b", "vds_h",
-    "has_kv_start", "has_sinks", "has_kds", "has_vds", "window_left", "max_pages", "num_pages",
-])
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
 def split_kernel(
     Q, K, V, PT, SEQLENS, KV_START, SINKS, KDS, VDS, OUT, LSE, PART_O, PART_L,
     stride_qb, stride_qs, stride_qh,
@@ -150,7 +81,7 @@ def split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for j0 in range(s_lo, s_hi, BLOCK_N):
-        acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, s_hi, start, limit, k_head, v_head, pt_row, num_pages,
+        acc, m_i, l_i = tile(acc, m_i, l_i, q, j0, s_hi, start, limit, k_head, v_head, pt_row, num_pages,
                               stride_kp, stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
                               BLOCK_N, PAGE, False, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
 
@@ -159,12 +90,7 @@ def split_kernel(
     out_row = (b * S + tok).to(tl.int64) * HQ + hq
     if NUM_SPLITS == 1:
         sink = tl.where(has_sinks != 0, tl.load(SINKS + hq, mask=row_ok, other=0.0) * LOG2E, NEG_BIG)
-        m_f = tl.maximum(m_i, sink)
-        l_f = l_i * tl.exp2(m_i - m_f) + tl.exp2(sink - m_f)
-        l_f = tl.where(seen, l_f, 1.0)
-        o = acc * (tl.exp2(m_i - m_f) * v_scale / l_f)[:, None]
-        o = tl.where(seen[:, None], o, 0.0)
-        lse = tl.where(seen, (m_f + tl.log2(l_f)) * LN2, float("-inf"))
+        o, lse = finish(acc, m_i, l_i, sink, v_scale)
         tl.store(OUT + out_row[:, None] * D + offs_d[None, :], o.to(OUT.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(LSE + out_row, lse, mask=row_ok)

@@ -16,13 +16,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .decode import LN2, LOG2E, NEG_BIG, _tile, live_range
+from .common import LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, tile
 
 
-@triton.jit(do_not_specialize=[
-    "CU", "KV_START", "SINKS", "KDS", "VDS", "kds_b", "kds_h", "vds_b", "vds_h",
-    "has_kv_start", "has_sinks", "has_kds", "has_vds", "window_left", "max_pages", "num_pages",
-])
+@triton.jit(do_not_specialize=["CU"] + RUNTIME_ARGS)
 def extend_kernel(
     Q, K, V, PT, SEQLENS, CU, KV_START, SINKS, KDS, VDS, OUT, LSE,
     stride_qb, stride_qs, stride_qh,
@@ -118,25 +115,20 @@ def extend_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for j0 in range(lo, tl.minimum(u0, hi), BLOCK_N):
-            acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
+            acc, m_i, l_i = tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
                                   stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
                                   BLOCK_N, PAGE, EVEN_D, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
         for j0 in range(u0, u1, BLOCK_N):
-            acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
+            acc, m_i, l_i = tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
                                   stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
                                   BLOCK_N, PAGE, EVEN_D, False, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
         for j0 in range(tl.maximum(u1, lo), hi, BLOCK_N):
-            acc, m_i, l_i = _tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
+            acc, m_i, l_i = tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
                                   stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
                                   BLOCK_N, PAGE, EVEN_D, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
 
-        seen = l_i > 0.0
         sink = tl.where(has_sinks != 0, tl.load(SINKS + hq) * LOG2E, NEG_BIG)
-        m_f = tl.maximum(m_i, sink)
-        l_f = tl.where(seen, l_i * tl.exp2(m_i - m_f) + tl.exp2(sink - m_f), 1.0)
-        o = acc * (tl.exp2(m_i - m_f) * v_scale / l_f)[:, None]
-        o = tl.where(seen[:, None], o, 0.0)
-        lse = tl.where(seen, (m_f + tl.log2(l_f)) * LN2, float("-inf"))
+        o, lse = finish(acc, m_i, l_i, sink, v_scale)
         out_row = (row0 + rows) * HQ + hq
         tl.store(OUT + out_row[:, None] * D + offs_d[None, :], o.to(OUT.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])

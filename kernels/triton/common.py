@@ -1,0 +1,104 @@
+"""Math shared by the Triton family's kernels (decode.py, extend.py), written once.
+
+- `live_range`: a request's length and kv_start, clamped to what the kernel knows from the tensors' shapes
+  (the page table's capacity), and `page_id`: a page id clamped into the cache, widened to 64 bits. No device
+  value makes a kernel touch memory outside its tensors (the README's "Bad input" states the contract).
+- `tile`: one BLOCK_N-key tile of the online softmax (log2 domain) over the paged cache.
+- `finish`: the epilogue of a row's softmax: the sink folded into the denominator, normalized output and
+  natural-log lse; a row that saw no key gets zeros and lse = -inf.
+- `RUNTIME_ARGS`: the arguments no kernel specializes on (optional tensors, their flags and strides, the
+  window size and the clamping bounds), so one compile serves every value.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so masked tiles never make exp2(-inf - -inf)
+
+
+@triton.jit
+def _tanh(x):
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def live_range(SEQLENS, KV_START, has_kv_start, b, max_pages, PAGE: tl.constexpr):
+    """(length, start) of request b, clamped: the length to [0, max_pages * PAGE] (the page table's capacity),
+    kv_start to [0, length]."""
+    length = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), max_pages * PAGE)
+    start = tl.where(has_kv_start != 0, tl.load(KV_START + b), 0)
+    return length, tl.minimum(tl.maximum(start, 0), length)
+
+
+@triton.jit
+def page_id(page, num_pages):
+    """A page id clamped to [0, num_pages - 1], as int64 (the cache's page stride may pass 2^31 elements)."""
+    return tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+
+
+@triton.jit
+def tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp, stride_ko,
+         stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
+         BLOCK_N: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
+         CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
+    """One BLOCK_N-key tile of the online softmax (decode, verify and extend): gathers the tile's K and V
+    through the page table, applies scale, softcap and (MASKED) the kv_start / causal / window masks and the
+    tile end `hi`, and returns the updated (acc, m, l). Unmasked tiles (extend's middle) skip every mask."""
+    offs_n = j0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hi
+    if MASKED:
+        page = page_id(tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0), num_pages)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+    else:
+        page = page_id(tl.load(pt_row + offs_n // PAGE), num_pages)
+        kv_mask = d_ok[None, :]
+    slot = (offs_n % PAGE).to(tl.int64)
+    k_ptrs = k_head + page[:, None] * stride_kp + slot[:, None] * stride_ko + offs_d[None, :]
+    v_ptrs = v_head + page[:, None] * stride_vp + slot[:, None] * stride_vo + offs_d[None, :]
+    if MASKED or not EVEN_D:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if USE_SOFTCAP:
+        logits = softcap * LOG2E * _tanh(tl.dot(q, tl.trans(k.to(DOT))) * (k_scale / softcap))
+    else:
+        logits = tl.dot(q, tl.trans(k.to(DOT))) * (k_scale * LOG2E)
+    if MASKED:
+        visible = n_ok[None, :] & (offs_n[None, :] >= start)
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= limit[:, None])
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] >= limit[:, None] - window_left)
+        logits = tl.where(visible, logits, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(logits - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
+    return acc, m_new, l_i
+
+
+@triton.jit
+def finish(acc, m_i, l_i, sink, v_scale):
+    """(out rows, lse) of a finished online softmax: acc [M, D] and the running max m_i / sum l_i (log2
+    domain), with the sink logit (log2 domain; NEG_BIG when absent) in the denominator only and the V descale
+    applied. Rows that saw no key: zeros and lse = -inf."""
+    seen = l_i > 0.0
+    m_f = tl.maximum(m_i, sink)
+    l_f = tl.where(seen, l_i * tl.exp2(m_i - m_f) + tl.exp2(sink - m_f), 1.0)
+    o = acc * (tl.exp2(m_i - m_f) * v_scale / l_f)[:, None]
+    o = tl.where(seen[:, None], o, 0.0)
+    lse = tl.where(seen, (m_f + tl.log2(l_f)) * LN2, float("-inf"))
+    return o, lse
+
+
+RUNTIME_ARGS = [
+    "KV_START", "SINKS", "KDS", "VDS", "kds_b", "kds_h", "vds_b", "vds_h",
+    "has_kv_start", "has_sinks", "has_kds", "has_vds", "window_left", "max_pages", "num_pages",
+]
