@@ -46,77 +46,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from b12x_inductor.kernels.cute import KEYS_PER_THREAD, geometry, tma, tma_box
 
-LOG2E = 1.4426950408889634
-NEG_BIG = -1.0e30
-
-
-# Shared by the family's kernels (decode.py, decode_mma.py, extend.py): the per-(request, KV head) scales, a
-# request's live key range, its page-table row, a score's log2-domain logit and whether a key is visible to a row.
-
-@cute.jit
-def scales(kds_ptr: cute.Pointer, vds_ptr: cute.Pointer, has_kds: Int32, has_vds: Int32, kds_b: Int32,
-           kds_h: Int32, vds_b: Int32, vds_h: Int32, sm_scale: Float32, b: Int32, h: Int32):
-    """(k_scale, v_scale): the logit scale in the log2 domain with the K descale folded in; the V descale."""
-    k_scale = sm_scale * Float32(LOG2E)
-    if has_kds != 0:
-        kds = cute.make_tensor(kds_ptr, cute.make_layout((1 << 30,)))
-        k_scale = k_scale * Float32(kds[b * kds_b + h * kds_h])
-    v_scale = Float32(1.0)
-    if has_vds != 0:
-        vds = cute.make_tensor(vds_ptr, cute.make_layout((1 << 30,)))
-        v_scale = Float32(vds[b * vds_b + h * vds_h])
-    return k_scale, v_scale
-
-
-@cute.jit
-def live_range(seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, has_kv_start: Int32, b: Int32, cap: Int32):
-    """(length, start): request b's live length (read on the device) clamped to [0, cap] (the page table's
-    capacity, max_pages * PAGE) and its first visible key (kv_start) clamped to [0, length]."""
-    seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout((1 << 30,)))
-    length = cutlass.min(cutlass.max(Int32(seqlens[b]), Int32(0)), cap)
-    start = Int32(0)
-    if has_kv_start != 0:
-        kvs = cute.make_tensor(kv_start_ptr, cute.make_layout((1 << 30,)))
-        start = cutlass.min(cutlass.max(Int32(kvs[b]), Int32(0)), length)
-    return length, start
-
-
-class PageRow:
-    """Request b's page-table row: `row[i]` is the id of its page i clamped to [0, num_pages - 1], so no page
-    id makes a kernel read outside the caches. Indices stay below the row's columns because lengths are
-    clamped to the capacity (`live_range`)."""
-
-    def __init__(self, pt_ptr: cute.Pointer, pt_sb: Int64, b: Int32, num_pages: Int32):
-        self.ids = cute.make_tensor(pt_ptr + Int64(b) * pt_sb, cute.make_layout((1 << 30,)))
-        self.last = num_pages - 1
-
-    def __getitem__(self, i):
-        return cutlass.min(cutlass.max(Int32(self.ids[i]), Int32(0)), self.last)
-
-
-@cute.jit
-def logit(x: Float32, k_scale: Float32, softcap: Float32, use_softcap: cutlass.Constexpr):
-    """A raw score q.k as a log2-domain logit: scaled (descale folded into k_scale), and with use_softcap
-    softcap * tanh(score * scale / softcap) (tanh as 1 - 2 / (exp(2y) + 1))."""
-    if const_expr(use_softcap):
-        y = x * (k_scale / (softcap * Float32(LOG2E)))
-        x = softcap * Float32(LOG2E) * (Float32(1.0) - Float32(2.0) / (cute.math.exp(Float32(2.0) * y) + Float32(1.0)))
-    else:
-        x = x * k_scale
-    return x
-
-
-@cute.jit
-def visible(j: Int32, hi: Int32, start: Int32, limit: Int32, window_left: Int32, causal: cutlass.Constexpr,
-            use_window: cutlass.Constexpr):
-    """Whether key j is visible to a row whose causal limit (last visible key) is `limit`: below `hi`, at or
-    after kv_start, and (causal) at most limit, (window) at least limit - window_left."""
-    ok = (j < hi) & (j >= start)
-    if const_expr(causal):
-        ok = ok & (j <= limit)
-    if const_expr(use_window):
-        ok = ok & (j >= limit - window_left)
-    return ok
+from b12x_inductor.kernels.cute.common import NEG_BIG, PageRow, live_range, logit, scales, visible
 
 
 class SplitKernel:

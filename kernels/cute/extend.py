@@ -62,7 +62,7 @@ from cutlass.utils import LayoutEnum
 
 from b12x_inductor.kernels.cute import EXTEND_BLOCK_M as BLOCK_M
 from b12x_inductor.kernels.cute import extend_geometry, tma, tma_box
-from b12x_inductor.kernels.cute.decode import LOG2E, NEG_BIG, PageRow, live_range, logit, scales, visible
+from b12x_inductor.kernels.cute.common import LOG2E, NEG_BIG, PageRow, live_range, logit, scales, visible
 
 LN2 = 0.6931471805599453
 THREADS = 384  # producer warpgroup + two consumer warpgroups

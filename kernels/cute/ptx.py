@@ -1,0 +1,50 @@
+"""Inline PTX for the CuTe DSL family, in one module: the only place that uses the DSL's private MLIR
+bindings (`cutlass._mlir`). Each helper is a `dsl_user_op` that emits one instruction.
+
+- `mma_m16n8k16`: mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32
+- `pack2`: cvt.rn.{bf16x2,f16x2}.f32 (two fp32 into one register)
+- `e4m3x2_to_f16x2`: cvt.rn.f16x2.e4m3x2 (two float8_e4m3 into two fp16, sm89+)
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Uint16, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+@dsl_user_op
+def mma_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, bf16: bool, loc=None, ip=None):
+    """One warp's mma.sync m16n8k16 (row.col, fp32 accumulators): A in four, B in two 32-bit registers of
+    packed bf16 or fp16 pairs, C and the result four fp32 (fragment layouts: decode_mma.py)."""
+    kind = "bf16" if bf16 else "f16"
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32(), T.f32(), T.f32(), T.f32()]),
+        [Uint32(a0).ir_value(loc=loc, ip=ip), Uint32(a1).ir_value(loc=loc, ip=ip),
+         Uint32(a2).ir_value(loc=loc, ip=ip), Uint32(a3).ir_value(loc=loc, ip=ip),
+         Uint32(b0).ir_value(loc=loc, ip=ip), Uint32(b1).ir_value(loc=loc, ip=ip),
+         Float32(c0).ir_value(loc=loc, ip=ip), Float32(c1).ir_value(loc=loc, ip=ip),
+         Float32(c2).ir_value(loc=loc, ip=ip), Float32(c3).ir_value(loc=loc, ip=ip)],
+        f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, {{$8,$9}}, "
+        "{$10,$11,$12,$13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def pack2(lo, hi, *, bf16: bool, loc=None, ip=None):
+    """Two fp32 values -> one register of two 16-bit floats (lo in the lower half)."""
+    kind = "bf16x2" if bf16 else "f16x2"
+    return Uint32(llvm.inline_asm(
+        T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def e4m3x2_to_f16x2(x, *, loc=None, ip=None):
+    """Two float8_e4m3 values in a 16-bit word -> two fp16 in one register (order kept)."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [Uint16(x).ir_value(loc=loc, ip=ip)], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
