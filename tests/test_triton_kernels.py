@@ -163,10 +163,13 @@ def test_interpreter_matches_reference(interpreter_results, name):
     assert r["ok"], r.get("error")
 
 
-def test_triton_plan_is_sized():
+def test_triton_plan_is_sized(monkeypatch):
     """The Triton branch of select_plan for a CUDA problem: splits fill the SMs, scratch fits the splits.
     (That select_plan is pure: tests/test_plan.py::TestPlanTable::test_pure.)"""
+    from b12x_inductor.kernels import cute
     from b12x_inductor.plan import Problem, select_plan, split_scratch_bytes
+
+    monkeypatch.setattr(cute, "available", lambda: False)  # installed or not: the Triton branch
 
     base = dict(batch=8, q_len=1, packed=False, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                 max_pages=512, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_layout="NHD",

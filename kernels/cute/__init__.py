@@ -335,15 +335,22 @@ def precompile(problem, plan, options) -> None:
     """Compiles the plan's kernels (decode/verify: also the Triton merge kernel) ahead of any launch."""
     if plan.family != "cute" or problem.device_type != "cuda":
         return
+    compile_kernel(problem, plan, options)
+    if plan.mode != "extend":
+        _precompile_merge(problem, plan.num_splits)
+
+
+def compile_kernel(problem, plan, options):
+    """The plan's compiled CuTe kernel (the split or the extend kernel; not the Triton merge). Needs no GPU:
+    without one the DSL compiles for the architecture `cute.compile`'s options name
+    (tests/test_cute_compile_targets.py: sm_90a)."""
     options = options.as_kwargs()
     shapes = dict(d=problem.head_dim, q_len=problem.q_len, hq=problem.num_q_heads, hkv=problem.num_kv_heads,
                   page_size=problem.page_size, q_dtype=problem.q_dtype, kv_dtype=problem.kv_dtype,
                   batch=problem.batch, packed=problem.packed)
     if plan.mode == "extend":
-        _compiled_extend(_extend_key(shapes, plan.constants(), options))
-        return
-    _compiled(_key(shapes, plan.constants(), options))
-    _precompile_merge(problem, plan.num_splits)
+        return _compiled_extend(_extend_key(shapes, plan.constants(), options))
+    return _compiled(_key(shapes, plan.constants(), options))
 
 
 @functools.cache

@@ -1,0 +1,72 @@
+"""The CuTe DSL family's kernels compile for sm_90a on a machine without a GPU (CI installs
+nvidia-cutlass-dsl; the test skips where it is absent): every distinct kernel the family's plans emit over
+a grid of problems (modes, head dims, groups, page sizes (TMA boxes or cp.async), dtypes, float8 caches,
+causal, window, softcap, packed q). A DSL error, or a launch ABI that the fake arguments of `_compiled`
+no longer match, fails here before any device time."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+cutlass = pytest.importorskip("cutlass")
+cute_dsl = pytest.importorskip("cutlass.cute")
+
+from b12x_inductor.kernels import Options  # noqa: E402
+from b12x_inductor.kernels import cute  # noqa: E402
+from b12x_inductor.plan import Problem, family_plan  # noqa: E402
+
+F8 = torch.float8_e4m3fn
+
+
+def _problem(**kw):
+    base = dict(batch=4, q_len=1, packed=False, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                max_pages=256, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_layout="NHD", device_type="cuda",
+                sm_count=132, capability=(9, 0))
+    base.update(kw)
+    base["max_pages"] = 4096 // base["page_size"]
+    return Problem(**base)
+
+
+def _cases():
+    """(name, problem, plan, options): each kernel of the family (CUDA-core and tensor-core split kernels,
+    extend) over its head dims, page sizes (1: cp.async only; 16 and 64: TMA boxes where the row allows),
+    cache dtypes and layouts, with causal, window and softcap spread over them."""
+    grid = []
+    for d, page, fp8 in itertools.product((64, 128, 256), (1, 16, 64), (False, True)):
+        grid.append((dict(head_dim=d, page_size=page, kv_dtype=F8 if fp8 else torch.bfloat16), {}))
+    for d, page, fp8 in itertools.product((64, 128), (16, 64), (False, True)):
+        grid.append((dict(head_dim=d, page_size=page, kv_dtype=F8 if fp8 else torch.bfloat16), dict(block_m=16)))
+    for page, fp8 in itertools.product((16, 64), (False, True)):
+        grid.append((dict(q_len=4, page_size=page, kv_dtype=F8 if fp8 else torch.float16, q_dtype=torch.float16), {}))
+    for d, page, packed in itertools.product((64, 128), (1, 16, 64), (False, True)):
+        grid.append((dict(q_len=512 if packed else 300, packed=packed, head_dim=d, page_size=page), {}))
+    cases = []
+    for i, (kw, tiles) in enumerate(grid):
+        p = _problem(**kw, kv_layout="HND" if i % 2 else "NHD")
+        assert cute.supports(p), p
+        plan = family_plan(p, "cute", **tiles)
+        options = Options(kv_layout=p.kv_layout, causal=i % 3 != 0, scale=0.1, window_left=63 if i % 4 == 1 else -1,
+                          softcap=30.0 if i % 5 == 2 else 0.0)
+        name = f"{plan.mode}-m{plan.block_m}-d{p.head_dim}-p{p.page_size}-{str(p.kv_dtype)[6:]}-{p.kv_layout}"
+        cases.append((name + ("-packed" if p.packed else ""), p, plan, options))
+    return cases
+
+
+CASES = _cases()
+
+
+def test_the_grid_reaches_every_kernel():
+    modes = {(c[2].mode, c[2].block_m) for c in CASES}
+    assert {("decode", 1), ("decode", 16), ("verify", 1), ("extend", 128)} <= modes, modes
+    assert {c[1].page_size for c in CASES} == {1, 16, 64}  # cp.async only, TMA boxes of 16 and of 64
+
+
+@pytest.mark.parametrize("name,problem,plan,options", CASES, ids=[c[0] for c in CASES])
+def test_kernel_compiles_for_sm90a(name, problem, plan, options, monkeypatch):
+    compile_ = cute_dsl.compile
+    monkeypatch.setattr(cute_dsl, "compile", lambda *a, **k: compile_(*a, options="--gpu-arch sm_90a", **k))
+    assert cute.compile_kernel(problem, plan, options) is not None
