@@ -2,7 +2,8 @@
 nvidia-cutlass-dsl; the test skips where it is absent): every distinct kernel the family's plans emit over
 a grid of problems (modes, head dims, groups, page sizes (TMA boxes or cp.async), dtypes, float8 caches,
 causal, window, softcap, packed q). A DSL error, or a launch ABI that the fake arguments of `_compiled`
-no longer match, fails here before any device time."""
+no longer match, fails here before any device time; so does a launch whose arguments `run` builds out of
+the kernel's signature (`_abi`) wrongly."""
 
 from __future__ import annotations
 
@@ -70,3 +71,52 @@ def test_kernel_compiles_for_sm90a(name, problem, plan, options, monkeypatch):
     compile_ = cute_dsl.compile
     monkeypatch.setattr(cute_dsl, "compile", lambda *a, **k: compile_(*a, options="--gpu-arch sm_90a", **k))
     assert cute.compile_kernel(problem, plan, options) is not None
+
+
+@pytest.mark.parametrize("case", ["decode", "verify_fp8_features", "extend_sinks", "packed_kv_start"])
+def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
+    """`run` builds each launch by name from the kernel's `__call__` signature (`_abi`): every argument is
+    there, in order, each scalar of its annotated type. The compiled kernel and the GPU are replaced by a
+    check of the arguments; the Triton merge kernel by nothing."""
+    import contextlib
+    from unittest import mock
+
+    from b12x_inductor import kernels, validate
+    from b12x_inductor.kernels.cute.decode import SplitKernel
+    from b12x_inductor.kernels.cute.extend import ExtendKernel
+    from b12x_inductor.kernels.triton import decode as triton_decode
+    from tests.test_triton_kernels import make_inputs
+
+    launched = []
+
+    def checking(kernel_class):
+        def launch(*args):
+            abi = cute._abi(kernel_class)
+            assert len(args) == len(abi)
+            for (name, ann), arg in zip(abi, args):
+                if ann in ("Int32", "Int64", "Float32"):
+                    assert type(arg).__name__ == ann, (name, ann, type(arg))
+            launched.append(kernel_class.__name__)
+        return launch
+
+    monkeypatch.setattr(cute, "_compiled", lambda key: checking(SplitKernel))
+    monkeypatch.setattr(cute, "_compiled_extend", lambda key: checking(ExtendKernel))
+    monkeypatch.setattr(cute, "_check_aligned", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: mock.MagicMock(cuda_stream=0))
+    monkeypatch.setattr(triton_decode, "merge_kernel", mock.MagicMock())
+    kw = {"decode": dict(q_len=1), "verify_fp8_features": dict(q_len=4, kv_start=True, descale="bh", kv_dtype=F8),
+          "extend_sinks": dict(q_len=40, sinks=True), "packed_kv_start": dict(packed=True, kv_start=True)}[case]
+    t = make_inputs(**dict(d=128, hq=8, hkv=2, page_size=16, lens=[100, 70]), **kw)
+    problem = validate.check_paged_attention(
+        t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"], kv_layout="NHD",
+        causal=True, scale=None, window_left=-1, kv_start=t["kv_start"], sinks=t["sinks"], softcap=0.0,
+        k_descale=t["k_descale"], v_descale=t["v_descale"], out=None)
+    problem = dataclasses.replace(problem, device_type="cuda", capability=(9, 0), sm_count=132)
+    plan = family_plan(problem, "cute")
+    q = t["q"]
+    kernels.run(kernels.Call(
+        **{k: t[k] for k in kernels.Call.INPUTS}, out=torch.empty_like(q), lse=torch.empty(q.shape[:-1]),
+        scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8),
+        options=Options.of(128, kv_layout="NHD", causal=True, scale=None, window_left=-1, softcap=0.0), plan=plan))
+    assert launched == ["ExtendKernel" if plan.mode == "extend" else "SplitKernel"]

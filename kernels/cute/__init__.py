@@ -18,6 +18,7 @@ a GPU the DSL targets sm_100a by default; CUTE_DSL_KEEP=ptx with CUTE_DSL_DUMP_D
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -158,8 +159,8 @@ def _compiled(key):
     1 the CUDA-core one (decode.py). cute.compile also keeps it in the DSL's file cache."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
+    from cutlass import Float32, Int32
+    from cutlass.cute.runtime import make_ptr
 
     from .decode import SplitKernel
     from .decode_mma import MmaSplitKernel
@@ -176,10 +177,10 @@ def _compiled(key):
     def ptr(dt, align=4):
         return make_ptr(dt, 1 << 20, gmem, assumed_align=align)
 
-    args = [ptr(qt, q_dtype.itemsize), ptr(kvt, 16), ptr(kvt, 16), ptr(Int32), ptr(Int32), ptr(Int32),
-            ptr(Float32), ptr(Float32), ptr(Float32), ptr(Float32), Int32(1), *[Int64(1)] * 10, *[Int32(0)] * 7,
-            Int32(-1), Float32(1.0), Float32(1.0), Int32(1), Int32(1), Int32(1), make_fake_stream()]
-    return cute.compile(kernel, *args)
+    pointers = dict(q_ptr=ptr(qt, q_dtype.itemsize), k_ptr=ptr(kvt, 16), v_ptr=ptr(kvt, 16), pt_ptr=ptr(Int32),
+                    seqlens_ptr=ptr(Int32), kv_start_ptr=ptr(Int32), kds_ptr=ptr(Float32), vds_ptr=ptr(Float32),
+                    part_o_ptr=ptr(Float32), part_l_ptr=ptr(Float32))
+    return cute.compile(kernel, *_fake_args(type(kernel), pointers))
 
 
 def _key(shapes, plan: dict, options: dict) -> tuple:
@@ -206,8 +207,8 @@ def _compiled_extend(key):
     """The compiled extend kernel (extend.py) for one key (d, g, hq, batch, s, page, packed, block_n, stages,
     q dtype, causal, use_window, use_softcap)."""
     import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
+    from cutlass import Float32, Int32
+    from cutlass.cute.runtime import make_ptr
 
     from .extend import ExtendKernel
 
@@ -220,10 +221,10 @@ def _compiled_extend(key):
     def ptr(dt, align=4):
         return make_ptr(dt, 1 << 20, gmem, assumed_align=align)
 
-    args = [ptr(qt, 16), ptr(qt, 16), ptr(qt, 16), *[ptr(Int32)] * 4, *[ptr(Float32)] * 3, ptr(qt, 2),
-            ptr(Float32), *[Int64(1)] * 10, *[Int32(0)] * 8, Int32(-1), Float32(1.0), Float32(1.0), Int32(1), Int32(1),
-            Int32(1), make_fake_stream()]
-    return cute.compile(kernel, *args)
+    pointers = dict(q_ptr=ptr(qt, 16), k_ptr=ptr(qt, 16), v_ptr=ptr(qt, 16), pt_ptr=ptr(Int32), seqlens_ptr=ptr(Int32),
+                    cu_ptr=ptr(Int32), kv_start_ptr=ptr(Int32), sinks_ptr=ptr(Float32), kds_ptr=ptr(Float32),
+                    vds_ptr=ptr(Float32), out_ptr=ptr(qt, 2), lse_ptr=ptr(Float32))
+    return cute.compile(kernel, *_fake_args(ExtendKernel, pointers))
 
 
 def _extend_key(shapes, plan: dict, options: dict) -> tuple:
@@ -234,7 +235,7 @@ def _extend_key(shapes, plan: dict, options: dict) -> tuple:
 
 def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
     from cuda.bindings.driver import CUstream
-    from cutlass import Float32, Int32, Int64
+    from cutlass import Float32, Int32
 
     from b12x_inductor.kernels.triton import _cache_strides
 
@@ -257,19 +258,61 @@ def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
     window, softcap = int(options["window_left"]), float(options["softcap"])
     stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     with torch.cuda.device(q.device):
-        compiled(
-            _ptr(q, 16), _ptr(k_cache, 16), _ptr(v_cache, 16), _ptr(pt, 4, torch.int32),
-            _ptr(tensors["cache_seqlens"], 4, torch.int32),
-            _ptr(tensors["cu_seqlens_q"] if packed else int_dummy, 4, torch.int32),
-            _ptr(kv_start if kv_start is not None else int_dummy, 4, torch.int32),
-            _ptr(sinks if sinks is not None else lse, 4, torch.float32), _ptr(kds, 4, torch.float32),
-            _ptr(vds, 4, torch.float32), _ptr(out, 2), _ptr(lse, 4),
-            *[Int64(x) for x in (*q_strides, kp, ko, kh, vp, vo, vh, pt.stride(0))],
-            Int32(kds_b), Int32(kds_h), Int32(vds_b), Int32(vds_h), Int32(kv_start is not None),
-            Int32(sinks is not None), Int32(has_kds), Int32(has_vds), Int32(max(window, 0)),
-            Float32(float(options["scale"])), Float32(softcap if softcap > 0 else 1.0), Int32(k_cache.shape[0]),
-            Int32(v_cache.shape[0]), Int32(pt.shape[1]), stream,
-        )
+        from .extend import ExtendKernel
+
+        compiled(*_launch_args(ExtendKernel, dict(
+            q_ptr=_ptr(q, 16), k_ptr=_ptr(k_cache, 16), v_ptr=_ptr(v_cache, 16), pt_ptr=_ptr(pt, 4, torch.int32),
+            seqlens_ptr=_ptr(tensors["cache_seqlens"], 4, torch.int32),
+            cu_ptr=_ptr(tensors["cu_seqlens_q"] if packed else int_dummy, 4, torch.int32),
+            kv_start_ptr=_ptr(kv_start if kv_start is not None else int_dummy, 4, torch.int32),
+            sinks_ptr=_ptr(sinks if sinks is not None else lse, 4, torch.float32),
+            kds_ptr=_ptr(kds, 4, torch.float32), vds_ptr=_ptr(vds, 4, torch.float32), out_ptr=_ptr(out, 2),
+            lse_ptr=_ptr(lse, 4),
+            **_strides(q_strides, (kp, ko, kh), (vp, vo, vh), pt.stride(0)),
+            kds_b=Int32(kds_b), kds_h=Int32(kds_h), vds_b=Int32(vds_b), vds_h=Int32(vds_h),
+            has_kv_start=Int32(kv_start is not None), has_sinks=Int32(sinks is not None), has_kds=Int32(has_kds),
+            has_vds=Int32(has_vds), window_left=Int32(max(window, 0)), sm_scale=Float32(float(options["scale"])),
+            softcap=Float32(softcap if softcap > 0 else 1.0), k_pages=Int32(k_cache.shape[0]),
+            v_pages=Int32(v_cache.shape[0]), max_pages=Int32(pt.shape[1]), stream=stream)))
+
+
+def _abi(kernel_class) -> list[tuple[str, str]]:
+    """(name, annotation) of each launch argument of a kernel class's `__call__`, self dropped: the launch
+    ABI is written once, in that signature; the fake arguments of a compile and the arguments of a launch
+    are built from it by name."""
+    return [(n, p.annotation) for n, p in inspect.signature(kernel_class.__call__).parameters.items()][1:]
+
+
+def _fake_args(kernel_class, pointers: dict) -> list:
+    """The arguments `cute.compile` traces a kernel with: `pointers` for its pointer parameters (dtype and
+    alignment), a placeholder of its type for each scalar (runtime values, not specialized), a fake stream."""
+    from cutlass import Float32, Int32, Int64
+    from cutlass.cute.runtime import make_fake_stream
+
+    scalar = {"Int32": Int32(0), "Int64": Int64(1), "Float32": Float32(1.0)}
+    out = []
+    for name, ann in _abi(kernel_class):
+        out.append(make_fake_stream() if name == "stream" else pointers[name] if ann == "cute.Pointer"
+                   else scalar[ann])
+    return out
+
+
+def _launch_args(kernel_class, values: dict) -> list:
+    """A launch's arguments in the kernel's `__call__` order; every name of the signature, and only those."""
+    names = [n for n, _ in _abi(kernel_class)]
+    if set(values) != set(names):
+        raise AssertionError(f"CuTe launch of {kernel_class.__name__}: missing {sorted(set(names) - set(values))}, "
+                             f"unexpected {sorted(set(values) - set(names))}")
+    return [values[n] for n in names]
+
+
+def _strides(q: tuple, k: tuple, v: tuple, pt: int) -> dict:
+    """The ten Int64 element strides of a launch: q (request, token, head), the caches (page, slot, head),
+    the page table's row."""
+    from cutlass import Int64
+
+    names = ("q_sb", "q_ss", "q_sh", "k_sp", "k_so", "k_sh", "v_sp", "v_so", "v_sh", "pt_sb")
+    return {n: Int64(x) for n, x in zip(names, (*q, *k, *v, pt))}
 
 
 def _ptr(t: torch.Tensor, align: int, dtype=None):
@@ -288,7 +331,7 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
         _run_extend(tensors, out=out, lse=lse, options=options, plan=plan)
         return
     from cuda.bindings.driver import CUstream
-    from cutlass import Float32, Int32, Int64
+    from cutlass import Float32, Int32
 
     from b12x_inductor.kernels.triton import decode as triton_decode
     from b12x_inductor.kernels.triton import _cache_strides, split_partials
@@ -313,17 +356,20 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     softcap = float(options["softcap"])
     stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     with torch.cuda.device(q.device):
-        compiled(
-            _ptr(q, q.element_size()), _ptr(k_cache, 16), _ptr(v_cache, 16), _ptr(pt, 4, torch.int32),
-            _ptr(tensors["cache_seqlens"], 4, torch.int32),
-            _ptr(kv_start if kv_start is not None else lse, 4, torch.int32), _ptr(kds, 4, torch.float32),
-            _ptr(vds, 4, torch.float32), _ptr(part_o, 4), _ptr(part_l, 4), Int32(batch),
-            *[Int64(x) for x in (*q.stride()[:3], kp, ko, kh, vp, vo, vh, pt.stride(0))],
-            Int32(kds_b), Int32(kds_h), Int32(vds_b), Int32(vds_h), Int32(kv_start is not None), Int32(has_kds),
-            Int32(has_vds), Int32(max(window, 0)), Float32(float(options["scale"])),
-            Float32(softcap if softcap > 0 else 1.0), Int32(k_cache.shape[0]), Int32(v_cache.shape[0]),
-            Int32(pt.shape[1]), stream,
-        )
+        from .decode import SplitKernel
+
+        compiled(*_launch_args(SplitKernel, dict(
+            q_ptr=_ptr(q, q.element_size()), k_ptr=_ptr(k_cache, 16), v_ptr=_ptr(v_cache, 16),
+            pt_ptr=_ptr(pt, 4, torch.int32), seqlens_ptr=_ptr(tensors["cache_seqlens"], 4, torch.int32),
+            kv_start_ptr=_ptr(kv_start if kv_start is not None else lse, 4, torch.int32),
+            kds_ptr=_ptr(kds, 4, torch.float32), vds_ptr=_ptr(vds, 4, torch.float32), part_o_ptr=_ptr(part_o, 4),
+            part_l_ptr=_ptr(part_l, 4), batch=Int32(batch),
+            **_strides(q.stride()[:3], (kp, ko, kh), (vp, vo, vh), pt.stride(0)),
+            kds_b=Int32(kds_b), kds_h=Int32(kds_h), vds_b=Int32(vds_b), vds_h=Int32(vds_h),
+            has_kv_start=Int32(kv_start is not None), has_kds=Int32(has_kds), has_vds=Int32(has_vds),
+            window_left=Int32(max(window, 0)), sm_scale=Float32(float(options["scale"])),
+            softcap=Float32(softcap if softcap > 0 else 1.0), k_pages=Int32(k_cache.shape[0]),
+            v_pages=Int32(v_cache.shape[0]), max_pages=Int32(pt.shape[1]), stream=stream)))
         sinks = tensors["sinks"]
         triton_decode.merge_kernel[(batch * s * hq,)](
             part_o, part_l, sinks if sinks is not None else lse, out, lse, int(sinks is not None),
