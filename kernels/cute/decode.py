@@ -418,7 +418,25 @@ class SplitKernel:
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
 
-        # ---- combine the key parts of P V (reusing the K ring) and write the split's partials ----
+        self._write_partials(acc, m_run, l_run, sM, sL, sK, part_o_ptr, part_l_ptr, v_scale, tidx, kp, cg, b, h,
+                             split)
+
+    @cute.jit
+    def _write_partials(self, acc: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, sM: cute.Tensor,
+                        sL: cute.Tensor, sK: cute.Tensor, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
+                        v_scale: Float32, tidx: Int32, kp: Int32, cg: Int32, b: Int32, h: Int32, split: Int32):
+        """The split's epilogue: the key parts of P V added up (in the K ring, reused), each row normalized by
+        its sum, and its partial output and log2-sum-exp written where the merge kernel reads them."""
+        warp = tidx // 32
+        lane = tidx % 32
+        THREADS = const_expr(self.threads)
+        WARPS = const_expr(self.warps)
+        D = const_expr(self.d)
+        S = const_expr(self.s)
+        G = const_expr(self.g)
+        R = const_expr(self.rows)
+        CPT = const_expr(self.cpt)
+        KP = const_expr(self.key_parts)
         for i in cutlass.range_constexpr(self.rows_per_warp):
             r = warp + i * WARPS
             if r < R:

@@ -249,31 +249,7 @@ class ExtendKernel:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
                 ctid = tidx - 128
                 wgc = wg - 1
-                # Q rows of this warpgroup -> shared memory (zeros past the request's rows)
-                q_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
-                                             num_bits_per_copy=128)
-                q_row0 = Int64(0)
-                if const_expr(self.packed):
-                    q_row0 = row0
-                q_base = q_ptr.toint() + (Int64(b) * q_sb + q_row0 * q_ss + Int64(hq) * q_sh) * 2
-                for i in cutlass.range_constexpr(64 * CH // 128):
-                    ci = (ctid % 128) + i * 128
-                    row = wgc * 64 + ci // CH
-                    ch = ci % CH
-                    dst = self._chunk(wQ[0, None, None, None, None, None], row, ch)
-                    r = mt * BLOCK_M + row
-                    if r < n_b:
-                        src = cute.make_tensor(cute.make_ptr(dt, q_base + (Int64(r) * q_ss + ch * 8) * 2,
-                                                             cute.AddressSpace.gmem, assumed_align=16),
-                                               cute.make_layout((8,)))
-                        cute.copy(q_atom, src, dst)
-                    else:
-                        for e in cutlass.range_constexpr(8):
-                            dst[e] = dt(0.0)
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
+                self._load_q(q_ptr, b, hq, row0, mt, n_b, q_sb, q_ss, q_sh, ctid, wgc, wQ)
 
                 k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h, sm_scale,
                                           b, h)
@@ -288,7 +264,6 @@ class ExtendKernel:
                 t_cs = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, BN)))
                 t_co = thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, D)))
                 acc_o.fill(0.0)
-                NO_ELEMS = const_expr(cute.size(acc_o))
                 m_run = cute.make_rmem_tensor((2,), Float32)
                 l_run = cute.make_rmem_tensor((2,), Float32)
                 for i in cutlass.range_constexpr(2):
@@ -354,37 +329,80 @@ class ExtendKernel:
                 if wgc == 0:
                     self._take_turn(0)  # the other warpgroup's last pass: every turn barrier ends complete
 
-                # ---- epilogue: the sink, normalization, out and lse ----
-                sink = Float32(NEG_BIG)
-                if has_sinks != 0:
-                    sinks = cute.make_tensor(sinks_ptr, cute.make_layout((1 << 30,)))
-                    sink = Float32(sinks[hq]) * Float32(LOG2E)
-                for rh in cutlass.range_constexpr(2):
-                    l_r = l_run[rh]
-                    l_r = l_r + cute.arch.shuffle_sync_bfly(l_r, offset=1)
-                    l_r = l_r + cute.arch.shuffle_sync_bfly(l_r, offset=2)
-                    m_r = m_run[rh]
-                    m_f = cutlass.max(m_r, sink)
-                    seen = l_r > Float32(0.0)
-                    l_f = Float32(1.0)
+                self._epilogue(acc_o, t_co, m_run, l_run, v_scale, sinks_ptr, has_sinks, hq, mt, n_b, row0, out_ptr,
+                               lse_rows)
+
+    @cute.jit
+    def _load_q(self, q_ptr: cute.Pointer, b: Int32, hq: Int32, row0: Int64, mt: Int32, n_b: Int32, q_sb: Int64,
+                q_ss: Int64, q_sh: Int64, ctid: Int32, wgc: Int32, wQ: cute.Tensor):
+        """This consumer warpgroup's 64 Q rows of the tile -> shared memory by cp.async (zeros past the
+        request's rows), then a barrier of the warpgroup: Q is in place for its wgmma."""
+        CH = const_expr(self.chunks)
+        dt = self.dtype
+        q_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
+                                     num_bits_per_copy=128)
+        q_row0 = Int64(0)
+        if const_expr(self.packed):
+            q_row0 = row0
+        q_base = q_ptr.toint() + (Int64(b) * q_sb + q_row0 * q_ss + Int64(hq) * q_sh) * 2
+        for i in cutlass.range_constexpr(64 * CH // 128):
+            ci = (ctid % 128) + i * 128
+            row = wgc * 64 + ci // CH
+            ch = ci % CH
+            dst = self._chunk(wQ[0, None, None, None, None, None], row, ch)
+            r = mt * BLOCK_M + row
+            if r < n_b:
+                src = cute.make_tensor(cute.make_ptr(dt, q_base + (Int64(r) * q_ss + ch * 8) * 2,
+                                                     cute.AddressSpace.gmem, assumed_align=16),
+                                       cute.make_layout((8,)))
+                cute.copy(q_atom, src, dst)
+            else:
+                for e in cutlass.range_constexpr(8):
+                    dst[e] = dt(0.0)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
+
+    @cute.jit
+    def _epilogue(self, acc_o: cute.Tensor, t_co: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor,
+                  v_scale: Float32, sinks_ptr: cute.Pointer, has_sinks: Int32, hq: Int32, mt: Int32, n_b: Int32,
+                  row0: Int64, out_ptr: cute.Pointer, lse_rows: cute.Tensor):
+        """The sink folded into each row's denominator, the normalized output rows and their natural-log lse
+        (zeros and -inf for a row that saw no key), for this thread's two fragment rows."""
+        D = const_expr(self.d)
+        dt = self.dtype
+        NO_ELEMS = const_expr(cute.size(acc_o))
+        sink = Float32(NEG_BIG)
+        if has_sinks != 0:
+            sinks = cute.make_tensor(sinks_ptr, cute.make_layout((1 << 30,)))
+            sink = Float32(sinks[hq]) * Float32(LOG2E)
+        for rh in cutlass.range_constexpr(2):
+            l_r = l_run[rh]
+            l_r = l_r + cute.arch.shuffle_sync_bfly(l_r, offset=1)
+            l_r = l_r + cute.arch.shuffle_sync_bfly(l_r, offset=2)
+            m_r = m_run[rh]
+            m_f = cutlass.max(m_r, sink)
+            seen = l_r > Float32(0.0)
+            l_f = Float32(1.0)
+            if seen:
+                l_f = l_r * cute.arch.exp2(m_r - m_f) + cute.arch.exp2(sink - m_f)
+            f = Float32(0.0)
+            if seen:
+                f = cute.arch.exp2(m_r - m_f) * v_scale / l_f
+            row = t_co[2 * rh][0]
+            r = mt * BLOCK_M + row
+            if r < n_b:
+                out_row = (row0 + Int64(r)) * self.hq + Int64(hq)
+                orow = cute.make_tensor(out_ptr + out_row * D, cute.make_layout((D,)))
+                for i in cutlass.range_constexpr(NO_ELEMS):
+                    if const_expr((i // 2) % 2 == rh):
+                        orow[t_co[i][1]] = (acc_o[i] * f).to(dt)
+                if t_co[2 * rh][1] == 0:
+                    lse = Float32(-math.inf)
                     if seen:
-                        l_f = l_r * cute.arch.exp2(m_r - m_f) + cute.arch.exp2(sink - m_f)
-                    f = Float32(0.0)
-                    if seen:
-                        f = cute.arch.exp2(m_r - m_f) * v_scale / l_f
-                    row = t_co[2 * rh][0]
-                    r = mt * BLOCK_M + row
-                    if r < n_b:
-                        out_row = (row0 + Int64(r)) * self.hq + Int64(hq)
-                        orow = cute.make_tensor(out_ptr + out_row * D, cute.make_layout((D,)))
-                        for i in cutlass.range_constexpr(NO_ELEMS):
-                            if const_expr((i // 2) % 2 == rh):
-                                orow[t_co[i][1]] = (acc_o[i] * f).to(dt)
-                        if t_co[2 * rh][1] == 0:
-                            lse = Float32(-math.inf)
-                            if seen:
-                                lse = (m_f + cute.math.log2(l_f)) * Float32(LN2)
-                            lse_rows[out_row] = lse
+                        lse = (m_f + cute.math.log2(l_f)) * Float32(LN2)
+                    lse_rows[out_row] = lse
 
     def _mma_qk(self):
         """S = Q K^T: two warpgroups of 64 rows, Q and K from shared memory (both K-major)."""
