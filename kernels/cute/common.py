@@ -1,6 +1,8 @@
 """Math shared by the CuTe DSL family's kernels (decode.py, decode_mma.py, extend.py), written once: the
 per-(request, KV head) scales, a request's live key range (clamped: `live_range`), its page-table row (page
-ids clamped into the cache: `PageRow`), a score's log2-domain logit and whether a key is visible to a row.
+ids clamped into the cache: `PageRow`), a score's log2-domain logit and whether a key is visible to a row;
+and the stage barriers of a pipelined K/V ring (`full_barrier`, `empty_barrier`, `stage_phase`,
+`release_phase`).
 """
 
 from __future__ import annotations
@@ -77,3 +79,30 @@ def visible(j: Int32, hi: Int32, start: Int32, limit: Int32, window_left: Int32,
     if const_expr(use_window):
         ok = ok & (j >= limit - window_left)
     return ok
+
+
+
+# The 3 x NS mbarriers of an NS-stage ring of K and V tiles, from `mbar`: per stage a K-full and a V-full
+# barrier, completed as the producer's copies land, and an empty one, which every consumer thread arrives on
+# when it is done with the stage. Tile `it` lives in stage it % NS; on the n-th use of a stage (n = it // NS)
+# its full barriers complete in phase n % 2 (`stage_phase`), and the producer, before refilling it, waits for
+# the release of its previous use (`release_phase`: phase (n + 1) % 2). Plain functions, not an object: the
+# DSL cannot carry a Python object through a run-time `if`.
+
+def full_barrier(mbar: cute.Pointer, stages: int, kv: int, stage):
+    """The K-full (kv 0) or V-full (kv 1) barrier of a stage."""
+    return mbar + kv * stages + stage
+
+
+def empty_barrier(mbar: cute.Pointer, stages: int, stage):
+    return mbar + 2 * stages + stage
+
+
+def stage_phase(it, stages: int):
+    """The phase in which tile `it`'s full barriers complete."""
+    return (it // stages) % 2
+
+
+def release_phase(it, stages: int):
+    """The phase the producer waits for on tile `it`'s stage before refilling it (it >= NS)."""
+    return (it // stages + 1) % 2

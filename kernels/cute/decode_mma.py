@@ -229,7 +229,23 @@ class MmaSplitKernel(SplitKernel):
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
 
-        # ---- merge the warps: row stats and partial outputs through shared memory ----
+        self._merge_warps(acc, m_run, l_run, sM, sL, ring_raw, part_o_ptr, part_l_ptr, v_scale, tidx, b, h, split)
+
+    @cute.jit
+    def _merge_warps(self, acc: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, sM: cute.Tensor,
+                     sL: cute.Tensor, ring_raw: cute.Pointer, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
+                     v_scale: Float32, tidx: Int32, b: Int32, h: Int32, split: Int32):
+        """The split's epilogue: the warps' row stats and partial outputs merged through shared memory (the
+        K/V ring, reused), each row normalized, and the split's partials written for the merge kernel."""
+        warp = tidx // 32
+        lane = tidx % 32
+        gq = lane // 4
+        tq = lane % 4
+        THREADS = const_expr(self.threads)
+        WARPS = const_expr(self.warps)
+        D = const_expr(self.d)
+        R = const_expr(self.rows)
+        NTILES = const_expr(D // 8)
         for i in cutlass.range_constexpr(2):
             l_tot = l_run[i]
             l_tot = l_tot + cute.arch.shuffle_sync_bfly(l_tot, offset=1)

@@ -62,7 +62,8 @@ from cutlass.utils import LayoutEnum
 
 from b12x_inductor.kernels.cute import EXTEND_BLOCK_M as BLOCK_M
 from b12x_inductor.kernels.cute import extend_geometry, tma, tma_box
-from b12x_inductor.kernels.cute.common import LOG2E, NEG_BIG, PageRow, live_range, logit, scales, visible
+from b12x_inductor.kernels.cute.common import (LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier, live_range, logit,
+                                               release_phase, scales, stage_phase, visible)
 
 LN2 = 0.6931471805599453
 THREADS = 384  # producer warpgroup + two consumer warpgroups
@@ -175,7 +176,7 @@ class ExtendKernel:
         # ---- shared memory: Q, the K and V rings (swizzled, 1024-aligned), the stage mbarriers ----
         smem = cutlass.utils.SmemAllocator()
         raw = smem.allocate(self.q_bytes + 2 * NS * self.kv_bytes, byte_alignment=1024)
-        mbar = smem.allocate_array(Int64, 3 * NS)  # K full [0, NS), V full [NS, 2 NS), empty [2 NS, 3 NS)
+        mbar = smem.allocate_array(Int64, 3 * NS)  # K full, V full, empty: full_barrier, empty_barrier
         base = cute.recast_ptr(raw, dtype=dt)
         q_elems = const_expr(BLOCK_M * D)
         kv_elems = const_expr(BN * D)
@@ -200,9 +201,9 @@ class ExtendKernel:
 
         if tidx == 0:
             for i in cutlass.range_constexpr(NS):
-                cute.arch.mbarrier_init(mbar + i, 128)  # K full: every producer thread's copies landed
-                cute.arch.mbarrier_init(mbar + NS + i, 128)  # V full
-                cute.arch.mbarrier_init(mbar + 2 * NS + i, 256)  # empty: every consumer thread arrives
+                cute.arch.mbarrier_init(full_barrier(mbar, NS, 0, i), 128)  # K full: every producer thread arrives
+                cute.arch.mbarrier_init(full_barrier(mbar, NS, 1, i), 128)  # V full
+                cute.arch.mbarrier_init(empty_barrier(mbar, NS, i), 256)  # empty: every consumer thread arrives
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
 
@@ -282,7 +283,7 @@ class ExtendKernel:
                     self._pass_turn(1)  # consumer warpgroup 0 issues first
                 if n_tiles > 0:
                     # tile 0: scores and softmax; its P V is issued with the next tile's scores
-                    cute.arch.mbarrier_wait(mbar + 0, 0)
+                    cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, 0), stage_phase(0, NS))
                     cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
                     self._take_turn(wgc)
                     warpgroup.fence()
@@ -298,13 +299,13 @@ class ExtendKernel:
                     warpgroup.wait_group(0)
                     self._rescale_and_convert(acc_o, alpha, r_p, acc_s)
                     if it >= 2:
-                        cute.arch.mbarrier_arrive(mbar + 2 * NS + (it - 2) % NS)
+                        cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (it - 2) % NS))
                     # in flight together: S = Q K^T of tile it and O += P V of tile it - 1; the softmax of tile it
                     # runs on the CUDA cores while P V (and the other consumer warpgroup's GEMMs) run
                     stage = it % NS
                     prev = (it - 1) % NS
-                    cute.arch.mbarrier_wait(mbar + stage, (it // NS) % 2)
-                    cute.arch.mbarrier_wait(mbar + NS + prev, ((it - 1) // NS) % 2)
+                    cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), stage_phase(it, NS))
+                    cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, prev), stage_phase(it - 1, NS))
                     cute.arch.fence_proxy("async.shared", space="cta")
                     self._take_turn(wgc)
                     warpgroup.fence()
@@ -319,13 +320,13 @@ class ExtendKernel:
                     warpgroup.wait_group(0)
                     self._rescale_and_convert(acc_o, alpha, r_p, acc_s)
                     if n_tiles >= 2:
-                        cute.arch.mbarrier_arrive(mbar + 2 * NS + (n_tiles - 2) % NS)
-                    cute.arch.mbarrier_wait(mbar + NS + last, ((n_tiles - 1) // NS) % 2)
+                        cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (n_tiles - 2) % NS))
+                    cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, last), stage_phase(n_tiles - 1, NS))
                     cute.arch.fence_proxy("async.shared", space="cta")
                     warpgroup.fence()
                     self._pv(acc_o, t_orp, tOrV, last)
                     warpgroup.wait_group(0)
-                    cute.arch.mbarrier_arrive(mbar + 2 * NS + last)
+                    cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, last))
                 if wgc == 0:
                     self._take_turn(0)  # the other warpgroup's last pass: every turn barrier ends complete
 
@@ -517,7 +518,7 @@ class ExtendKernel:
         for it in cutlass.range(n_tiles, unroll=1):
             stage = it % NS
             if it >= NS:
-                cute.arch.mbarrier_wait(mbar + 2 * NS + stage, (it // NS + 1) % 2)
+                cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), release_phase(it, NS))
             j0 = lo + it * BN
             if const_expr(BOX != 0):
                 if (j0 % BOX == 0) & (j0 + BN <= length):
@@ -548,7 +549,7 @@ class ExtendKernel:
         if (warp + 4 * lane < BOX_ROWS) & (lane < (BOX_ROWS + 3) // 4):
             page = tma.box_page(PageRow(pt_ptr, pt_sb, b, num_pages), j0, self.page, BOX, warp + 4 * lane)
         for kv in cutlass.range_constexpr(2):
-            bar = mbar + kv * NS + stage
+            bar = full_barrier(mbar, NS, kv, stage)
             if tidx == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, BN * self.d * 2)
             else:
@@ -600,4 +601,4 @@ class ExtendKernel:
                                                      cute.AddressSpace.gmem, assumed_align=16),
                                        cute.make_layout((8,)))
                 cute.copy(atom, src, self._chunk(w[stage, None, None, None, None, None], row, ch))
-            cute.arch.cp_async_mbarrier_arrive_noinc(mbar + kv * NS + stage)
+            cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier(mbar, NS, kv, stage))
