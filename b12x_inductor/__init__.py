@@ -120,11 +120,12 @@ def warmup(problems, *, causal: bool = True, scale: float | None = None, window_
     capability); the options are those the calls will pass. Buckets that run the torch family need nothing.
     """
     from b12x_inductor.kernels import precompile
-    from b12x_inductor.ops import entry_options, plan_for
+    from b12x_inductor.kernels import Options
+    from b12x_inductor.ops import plan_for
 
     for p in [problems] if isinstance(problems, Problem) else problems:
-        options = entry_options(p.head_dim, kv_layout=p.kv_layout, causal=causal, scale=scale,
-                                window_left=window_left, softcap=softcap)
+        options = Options.of(p.head_dim, kv_layout=p.kv_layout, causal=causal, scale=scale,
+                             window_left=window_left, softcap=softcap)
         precompile(p, plan_for(p), options)
 
 

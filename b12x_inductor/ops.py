@@ -61,13 +61,6 @@ torch.library.impl(_lib, "refuse", "CompositeExplicitAutograd")(_refuse)
 torch.library.register_fake("b12x::refuse")(_refuse)
 
 
-def entry_options(head_dim: int, *, kv_layout, causal, scale, window_left, softcap) -> Options:
-    """The call's options as the entry ops take them, with scale defaulted to head_dim ** -0.5 (the eager op,
-    the lowering and `warmup` all build them here)."""
-    return Options.of(head_dim, kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left,
-                      softcap=softcap)
-
-
 def _run_plan(plan: Plan, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
               kv_start, sinks, k_descale, v_descale, out, options: Options) -> torch.Tensor:
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
@@ -88,8 +81,8 @@ def _eager(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *,
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = _run_plan(plan_for(problem), q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
                     kv_start, sinks, k_descale, v_descale, out,
-                    entry_options(q.shape[-1], kv_layout=kv_layout, causal=causal, scale=scale,
-                                  window_left=window_left, softcap=softcap))
+                    Options.of(q.shape[-1], kv_layout=kv_layout, causal=causal, scale=scale,
+                               window_left=window_left, softcap=softcap))
     return out, lse
 
 

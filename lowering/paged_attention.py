@@ -23,7 +23,8 @@ import torch
 from b12x_inductor.plan import Problem, device_facts
 from b12x_inductor.validate import cache_dims
 from b12x_inductor.kernels import precompile
-from b12x_inductor.ops import entry_options, plan_for
+from b12x_inductor.kernels import Options
+from b12x_inductor.ops import plan_for
 
 from . import _inductor
 
@@ -55,8 +56,8 @@ def _lower(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *,
         out = _inductor.empty(q_size, q.get_dtype(), device)
     lse = _inductor.empty(q_size[:-1], torch.float32, device)
     scratch = _inductor.empty([plan.scratch_bytes], torch.uint8, device)
-    options = entry_options(problem.head_dim, kv_layout=kv_layout, causal=causal, scale=scale,
-                            window_left=window_left, softcap=softcap)
+    options = Options.of(problem.head_dim, kv_layout=kv_layout, causal=causal, scale=scale,
+                         window_left=window_left, softcap=softcap)
     precompile(problem, plan, options)  # no JIT compile later, inside a CUDA-graph capture
     _inductor.call_fallback(
         plan.entry_op, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale,

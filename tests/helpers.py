@@ -51,7 +51,6 @@ def run_family(t, options, family, out=None, overrides=None):
     """Runs one family's plan (with `overrides` of its tile fields) for the inputs through kernels.run (the
     entry ops' path). Returns out, lse, the plan and a zero-argument call that runs it again."""
     from b12x_inductor import kernels, validate
-    from b12x_inductor.ops import entry_options
     from b12x_inductor.plan import family_plan
 
     problem = validate.check_paged_attention(
@@ -64,9 +63,9 @@ def run_family(t, options, family, out=None, overrides=None):
     out = torch.full_like(q, float("nan")) if out is None else out
     lse = torch.full(q.shape[:-1], float("nan"), device=q.device)
     scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=q.device)
-    opts = entry_options(q.shape[-1], kv_layout=options.get("kv_layout", "NHD"), causal=options.get("causal", True),
-                         scale=options.get("scale"), window_left=options.get("window_left", -1),
-                         softcap=options.get("softcap", 0.0))
+    opts = kernels.Options.of(q.shape[-1], kv_layout=options.get("kv_layout", "NHD"),
+                              causal=options.get("causal", True), scale=options.get("scale"),
+                              window_left=options.get("window_left", -1), softcap=options.get("softcap", 0.0))
     the_call = kernels.Call(**{k: t[k] for k in kernels.Call.INPUTS}, out=out, lse=lse, scratch=scratch,
                             options=opts, plan=plan)
 

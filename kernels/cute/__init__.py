@@ -276,11 +276,12 @@ def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
             v_pages=Int32(v_cache.shape[0]), max_pages=Int32(pt.shape[1]), stream=stream)))
 
 
-def _abi(kernel_class) -> list[tuple[str, str]]:
+@functools.cache
+def _abi(kernel_class) -> tuple[tuple[str, str], ...]:
     """(name, annotation) of each launch argument of a kernel class's `__call__`, self dropped: the launch
     ABI is written once, in that signature; the fake arguments of a compile and the arguments of a launch
     are built from it by name."""
-    return [(n, p.annotation) for n, p in inspect.signature(kernel_class.__call__).parameters.items()][1:]
+    return tuple((n, p.annotation) for n, p in inspect.signature(kernel_class.__call__).parameters.items())[1:]
 
 
 def _fake_args(kernel_class, pointers: dict) -> list:

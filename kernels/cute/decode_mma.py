@@ -75,7 +75,6 @@ class MmaSplitKernel(SplitKernel):
         gq = lane // 4  # fragment row group
         tq = lane % 4  # fragment column pair
         TILE_N = const_expr(self.tile_n)
-        THREADS = const_expr(self.threads)
         WARPS = const_expr(self.warps)
         D = const_expr(self.d)
         S = const_expr(self.s)

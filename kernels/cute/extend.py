@@ -168,7 +168,6 @@ class ExtendKernel:
         BN = const_expr(self.tile_n)
         D = const_expr(self.d)
         NS = const_expr(self.stages)
-        CH = const_expr(self.chunks)
         SLABS = const_expr(max(D // 64, 1))
         dt = self.dtype
         h = hq // self.g
