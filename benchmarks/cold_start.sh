@@ -32,7 +32,7 @@ PY
 }
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')" | tee "$summary"
 for mode in whole regional; do
-  flag=(); [ "$mode" = regional ] && flag=(--regional-compile)
+  flag=(--whole-model-compile); [ "$mode" = regional ] && flag=(--regional-compile)
   cache="$out/cc-$mode"
   first=cold
   if [ -n "$from" ]; then

@@ -112,6 +112,7 @@ def test_regional_compile_one_graph_per_bucket(reference):
     tokens equal generate's, nothing compiles while serving, and the warm-up report says so."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()  # the default config is regional too: earlier tests' layer graphs would be reused
     model = _model()
     engine = Engine(model, ServeConfig(**_CONFIG, regional_compile=True))
     counters.clear()

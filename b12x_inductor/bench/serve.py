@@ -37,7 +37,8 @@ Inductor compile and CUDA-graph capture) for padding: full compiles 8 (decode 32
 extend 512, 2048), quick 3. --tiny: a tiny fp32 model (of --model's family) on CPU, to check the harness;
 --no-compile runs b12x eagerly (harness checks only). b12x's warm-up is printed and kept per bucket in the JSON
 (row "warmup": compile, Dynamo and backend seconds, capture, compiled or from cache); --compile-cache DIR and
---regional-compile set the engine's ServeConfig.compile_cache and regional_compile.
+--regional-compile / --whole-model-compile set the engine's ServeConfig.compile_cache and regional_compile
+(default: regional where the model allows it).
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def kv_gib(engine: Engine) -> tuple[float, float]:
 
 def run_b12x(model, requests, preset: dict, device, num_draft: int, compile: bool = True,
              recycle: bool = True, compile_cache: str | None = None,
-             regional: bool = False) -> tuple[list[dict], Engine]:
+             regional: bool | None = None) -> tuple[list[dict], Engine]:
     max_len = preset["prompt_lens"][1] + preset["output_lens"][1]
     config = ServeConfig(
         num_pages=preset["max_batch"] * -(-max_len // 16) + 1, page_size=16, max_batch=preset["max_batch"],
@@ -250,7 +251,7 @@ def run_b12x(model, requests, preset: dict, device, num_draft: int, compile: boo
 
 
 def run_b12x_both(model, requests, preset: dict, device, num_draft: int, compile: bool = True,
-                  compile_cache: str | None = None, regional: bool = False) -> list[dict]:
+                  compile_cache: str | None = None, regional: bool | None = None) -> list[dict]:
     """b12x (and b12x+lookup) with window pages recycled; for a model with sliding-window layers, then
     b12x-keep-window (a second engine, compiled anew: its pool layout differs; the same num_draft, so its
     page-table width, buckets and attention plans equal the first engine's and its outputs can be compared)."""
@@ -307,8 +308,12 @@ def main(argv) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-cache", metavar="DIR", help="b12x: load compiled artifacts from DIR before warm-up, "
                    "save them there after it (ServeConfig.compile_cache)")
-    p.add_argument("--regional-compile", action="store_true", help="b12x: one compiled decoder layer per bucket, "
-                   "reused for every layer (ServeConfig.regional_compile)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--regional-compile", dest="regional_compile", action="store_const", const=True, default=None,
+                     help="b12x: one compiled decoder layer per bucket, reused for every layer (ServeConfig."
+                     "regional_compile; the default where the model keeps its layers in a ModuleList)")
+    how.add_argument("--whole-model-compile", dest="regional_compile", action="store_const", const=False,
+                     help="b12x: the whole model compiled per bucket")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="print one table from runs split by --systems")
     args = p.parse_args(argv)

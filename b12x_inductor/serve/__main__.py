@@ -70,8 +70,12 @@ def parse_args(argv):
     p.add_argument("--no-compile", action="store_true", help="run eagerly (debugging)")
     p.add_argument("--compile-cache", metavar="DIR", help="load compiled artifacts from DIR before warm-up and save "
                    "them there after it (copy DIR to another machine of the same kind to start it warm)")
-    p.add_argument("--regional-compile", action="store_true", help="compile one decoder layer per bucket and reuse "
-                   "it for every layer (less compile work; the step is still one CUDA graph)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--regional-compile", dest="regional_compile", action="store_const", const=True, default=None,
+                     help="compile one decoder layer per bucket and reuse it for every layer (less compile work; "
+                     "the step is still one CUDA graph); the default where the model keeps its layers in a ModuleList")
+    how.add_argument("--whole-model-compile", dest="regional_compile", action="store_const", const=False,
+                     help="compile the whole model per bucket instead")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p.parse_args(argv)

@@ -31,7 +31,8 @@ class ServeConfig:
     `regional_compile` compiles one decoder layer per bucket and layer kind and reuses it for every layer of
     that kind (`serve.runner`), instead of the whole model per bucket: less compile work by about the layer
     count, the same computation, and on CUDA still one CUDA graph per step (the runner captures the whole
-    step); off until measured on a GPU.
+    step). None (the default): regional where the decoder keeps its layers in a ModuleList `layers`, else
+    the whole model; True requires it (warm-up raises where it cannot), False compiles the whole model.
     """
 
     num_pages: int = 256
@@ -49,7 +50,7 @@ class ServeConfig:
     recycle_window_pages: bool = True  # window layers in a pool of their own, out-of-window pages freed
     window_num_pages: int | None = None  # the window pool's pages (None: default_window_pages)
     compile_cache: str | None = None  # directory of compiled artifacts: loaded before warm-up, saved after
-    regional_compile: bool = False  # one compiled decoder layer per bucket, reused for every layer
+    regional_compile: bool | None = None  # one compiled decoder layer per bucket, reused for every layer
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_batch", "token_budget", "max_model_len"):

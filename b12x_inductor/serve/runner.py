@@ -282,7 +282,8 @@ class ModelRunner:
                         + [("extend", config.max_batch, t) for t in config.extend_sizes])
         # per pool: request -> ((first live column, page count), its page-table row)
         self._rows = {pool: weakref.WeakKeyDictionary() for pool in self.pools}
-        self.regional = config.compile and config.regional_compile
+        regional_ok = isinstance(getattr(self.decoder, "layers", None), torch.nn.ModuleList)
+        self.regional = config.compile and (regional_ok if config.regional_compile is None else config.regional_compile)
         self.layer_kinds = len(set(self.windows))  # layers that can share a regional graph: one per window
         self._install_layers()
         self._graphs: dict[tuple[str, int, int], tuple] = {}  # regional on CUDA: bucket -> (graph, meta, out)
