@@ -38,6 +38,7 @@ def paged_attention(
     softcap: float = 0.0,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
 ):
@@ -60,6 +61,10 @@ def paged_attention(
         sinks: float32 [Hq], attention-sink logits counted in the softmax denominator only.
         softcap: > 0 applies softcap * tanh(logits / softcap).
         k_descale, v_descale: float32 scalar, [B] or [B, Hkv]; float8 caches only.
+        key_mask: bool [B, S, max_pages * page_size] (one row per query) or [B, 1, max_pages * page_size]
+            (one row per request), q [B, S, Hq, D] only; any strides. Key j is visible to query i only where
+            key_mask[b, i, j] (or [b, 0, j]) is True, on top of the range, causal and window rules: an
+            attention mask whose values only the device knows (a padding mask), read by the kernel.
         return_lse: also return lse, float32 [B, S, Hq] or [T, Hq], natural log, sink included.
         out: optional contiguous output of q's shape and dtype, written in place.
 
@@ -74,7 +79,7 @@ def paged_attention(
     out-of-contract device values are clamped on the device (README, "Bad input"), never read past.
     """
     kwargs = dict(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, kv_start=kv_start,
-                  sinks=sinks, softcap=softcap, k_descale=k_descale, v_descale=v_descale)
+                  sinks=sinks, softcap=softcap, k_descale=k_descale, v_descale=v_descale, key_mask=key_mask)
     _validate.check_paged_attention_types(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
                                           return_lse=return_lse, out=out, **kwargs)
     if out is None:

@@ -48,6 +48,7 @@ class Problem:
     device_type: str  # "cpu" or "cuda"
     sm_count: int = 0  # streaming multiprocessors (cuda)
     capability: tuple[int, int] = (0, 0)  # compute capability (cuda)
+    key_mask: bool = False  # a key_mask tensor is passed (the kernel reads it: families that do not, refuse)
 
     @property
     def group(self) -> int:

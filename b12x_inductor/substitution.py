@@ -14,9 +14,13 @@ idiom, where a mask built from the cache positions (`arange(L) <= input_pos`, tr
 is proven "causal up to the position": the op then reads only the live keys, position + 1, computed on the
 device (no recompile, no host sync); a proven sliding window on top is kept. Several queries at runtime
 positions qualify where the keys are written at those positions (the write proves they fit the buffer).
-Everything else is left exactly as it was, for example a mask read out of a buffer (gpt-fast's
-`causal_mask[None, None, input_pos]`: build it as `arange(L) <= input_pos[:, None]` instead), a
-finfo.min or arbitrary additive mask, dropout, an unsupported head dim or dtype (fp32 on CUDA).
+A mask whose values only the device knows (a padding mask from a graph input, gpt-fast's
+`causal_mask[None, None, input_pos]`, torchtune's mask argument, transformers' sdpa masks with padding) is
+handed to the op as its `key_mask` and read by the kernel, exact for any values: any bool mask the same
+for every head, and its additive 0 / -inf (or cuDNN's -65504) conversions. The keys read are the range
+between the first and last key some query of the request sees, computed on the device.
+Everything else is left exactly as it was, for example a finfo.min or arbitrary additive mask, a mask
+that differs per head, dropout, an unsupported head dim or dtype (fp32 on CUDA).
 
 The pass runs when Inductor compiles a graph: enable it before compiling (a graph compiled while it was
 off stays so until torch._dynamo.reset()). On/off enters Inductor's FX-cache key, so a cached graph is

@@ -121,14 +121,14 @@ def _check_tensor_types(op: str, required: dict, optional: dict) -> None:
 
 def check_paged_attention_types(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, *, kv_layout,
                                 causal, scale, window_left, kv_start, sinks, softcap, k_descale, v_descale,
-                                return_lse, out) -> None:
+                                key_mask=None, return_lse, out) -> None:
     """What `b12x_inductor.paged_attention` checks before it calls the op (Python types only: it runs the
     same eagerly and while Dynamo traces)."""
     op = "paged_attention"
     _check_tensor_types(op, dict(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table,
                                  cache_seqlens=cache_seqlens),
                         dict(cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, sinks=sinks, k_descale=k_descale,
-                             v_descale=v_descale, out=out))
+                             v_descale=v_descale, key_mask=key_mask, out=out))
     check_options(op, kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=softcap)
     if not isinstance(return_lse, bool):
         _fail(op, "return_lse", "a bool", _type_name(return_lse), "TypeError")
@@ -188,7 +188,7 @@ def cache_geometry(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lay
 
 def check_paged_attention(
     q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, *, kv_layout, causal, scale, window_left,
-    kv_start, sinks, softcap, k_descale, v_descale, out=None, want_problem=True,
+    kv_start, sinks, softcap, k_descale, v_descale, key_mask=None, out=None, want_problem=True,
 ) -> Problem | None:
     """Checks one call and returns its static Problem (None with want_problem=False, as while tracing
     with symbolic sizes, which building a Problem would specialize)."""
@@ -240,6 +240,14 @@ def check_paged_attention(
         _check_tensor(op, "sinks", sinks, dtype=torch.float32, shape=(hq,), device=device, contiguous=True)
     for name, ds in (("k_descale", k_descale), ("v_descale", v_descale)):
         _check_fp8_scale(op, name, ds, k_cache.dtype, device, "B", batch, hkv)
+    if key_mask is not None:
+        if q.dim() != 4:
+            _fail(op, "key_mask", "None for a packed q [T, Hq, D] (a key mask needs q [B, S, Hq, D])", "a tensor")
+        capacity = max_pages * page_size
+        _check_tensor(op, "key_mask", key_mask, dtype=torch.bool, dim=3, device=device)
+        if _shape(key_mask) not in ((batch, q.shape[1], capacity), (batch, 1, capacity)):
+            _fail(op, "key_mask", f"of shape [B, S, max_pages * page_size] = ({batch}, {q.shape[1]}, {capacity}) "
+                  f"or [B, 1, max_pages * page_size] = ({batch}, 1, {capacity})", f"shape {_shape(key_mask)}")
     check_options(op, kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=softcap)
     if out is not None:
         _check_tensor(op, "out", out, dtype=q.dtype, shape=_shape(q), device=device)
@@ -253,7 +261,7 @@ def check_paged_attention(
         batch=int(batch), q_len=int(q.shape[1] if q.dim() == 4 else q.shape[0]), packed=q.dim() == 3,
         num_q_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(d), page_size=int(page_size),
         max_pages=int(max_pages), q_dtype=q.dtype, kv_dtype=k_cache.dtype, kv_layout=kv_layout,
-        device_type=device.type, sm_count=sm_count, capability=capability,
+        device_type=device.type, sm_count=sm_count, capability=capability, key_mask=key_mask is not None,
     )
 
 

@@ -53,7 +53,8 @@ class Call:
     Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND), q's dtype or float8_e4m3fn; page_table int32
     [B, max_pages]; cache_seqlens int32 [B]; cu_seqlens_q int32 [B + 1] (packed q) or None; kv_start int32
     [B] or None; sinks float32 [Hq] or None; k_descale, v_descale float32 scalar, [B] or [B, Hkv], or None;
-    out like q; lse float32 q's shape without D; scratch uint8 [plan.scratch_bytes]."""
+    key_mask bool [B, S or 1, max_pages * page_size] (4-D q only; any strides) or None; out like q; lse float32
+    q's shape without D; scratch uint8 [plan.scratch_bytes]."""
 
     q: torch.Tensor
     k_cache: torch.Tensor
@@ -65,6 +66,7 @@ class Call:
     sinks: torch.Tensor | None
     k_descale: torch.Tensor | None
     v_descale: torch.Tensor | None
+    key_mask: torch.Tensor | None
     out: torch.Tensor
     lse: torch.Tensor
     scratch: torch.Tensor
@@ -72,7 +74,7 @@ class Call:
     plan: object  # b12x_inductor.plan.Plan
 
     INPUTS = ("q", "k_cache", "v_cache", "page_table", "cache_seqlens", "cu_seqlens_q", "kv_start", "sinks",
-              "k_descale", "v_descale")
+              "k_descale", "v_descale", "key_mask")
 
     @property
     def mode(self) -> str:

@@ -8,7 +8,8 @@ Semantics (the README repeats them):
   page_table[b, j // page_size] at offset j % page_size.
 - Its S_b new queries are the last S_b positions, so query i (0-based among them) has causal limit
   c = L - S_b + i. Key j is visible iff kv_start[b] <= j <= c (without causal: kv_start[b] <= j < L) and,
-  when window_left >= 0, j >= c - window_left.
+  when window_left >= 0, j >= c - window_left; with a key_mask [B, S or 1, max_pages * page_size] (4-D q
+  only), also key_mask[b, i or 0, j].
 - logits = scale * q.k; with softcap > 0, logits = softcap * tanh(logits / softcap); softmax over the
   visible keys, with sinks[h] (when given) one more logit in the denominator only. float8 caches are
   dequantized with k_descale / v_descale (a scalar, one per request [B], or one per request and KV head
@@ -79,6 +80,7 @@ def paged_attention_reference(
     softcap: float = 0.0,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse) in fp32 on the CPU: out shaped like q, lse like q without its last dim."""
     q, k_cache, v_cache = q.detach().cpu(), k_cache.detach().cpu(), v_cache.detach().cpu()
@@ -112,6 +114,8 @@ def paged_attention_reference(
             visible &= (pos <= limit) if causal else (pos < length)
             if window_left >= 0:
                 visible &= pos >= limit - window_left
+            if key_mask is not None:
+                visible &= key_mask[b, i if key_mask.shape[1] > 1 else 0, :length].cpu()
             if not bool(visible.any()):
                 continue  # zeros and lse = -inf
             k_vis = keys[visible][:, heads_kv]  # [n, Hq, D]: each query head's keys

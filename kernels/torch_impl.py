@@ -8,8 +8,8 @@ runs over the key tiles. Memory beyond the inputs and outputs is O(chunk of tile
 S or the page-table capacity.
 
 Unused slots (pages no request lists, the tail of the last live page, slots before kv_start or before the
-window) may hold anything, NaN and Inf included: keys and values a tile's rows do not see are replaced by
-zeros before any product, and the logits of the keys one row does not see by -inf.
+window, keys the key_mask hides) may hold anything, NaN and Inf included: keys and values a tile's rows do
+not see are replaced by zeros before any product, and the logits of the keys one row does not see by -inf.
 
 No host sync on CUDA: the loops cover the page-table capacity and a static tile count. On CPU (where reading
 a device value costs nothing) the exact tile count and the key range each chunk sees are read on the host,
@@ -54,7 +54,7 @@ def _descale(descale: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
 
 def paged_attention_torch(
     q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale, v_descale,
-    out, lse, *, kv_layout, causal, scale, window_left, softcap,
+    out, lse, *, kv_layout, causal, scale, window_left, softcap, key_mask=None,
 ) -> None:
     """Writes out (q's shape and dtype) and lse (fp32, q's shape without D) for any mode."""
     batch, max_pages = page_table.shape
@@ -148,6 +148,14 @@ def paged_attention_torch(
         n = c1 - c0
         req = tile_req[c0:c1]
         lim, t_lo, t_hi = limit[c0:c1], lo[c0:c1], hi[c0:c1]
+        if key_mask is not None:  # key_mask[mask_req, mask_row, j]: each row's mask (4-D q only)
+            mask_req = req[:, None, None]
+            if key_mask.shape[1] == 1:
+                mask_row = torch.zeros((1, 1, 1), dtype=torch.long, device=dev)
+            elif identity:
+                mask_row = torch.arange(bm, device=dev)[None, :, None]
+            else:
+                mask_row = row_in_req[c0:c1].clamp(max=key_mask.shape[1] - 1)[:, :, None]
         j_begin, j_end = 0, cap
         if host:
             j_end = min(cap, max(0, int(t_hi.max())))
@@ -170,6 +178,9 @@ def paged_attention_torch(
             bn = j.shape[0]
             page, off = tile_pages[:, :, j // page_size], (j % page_size)[None, None, :]
             seen = (j[None, :] >= t_lo[:, None]) & (j[None, :] < t_hi[:, None])  # [n, bn]
+            if key_mask is not None:
+                shown = key_mask[mask_req, mask_row, j[None, None, :]]  # [n, bm or 1, bn]
+                seen = seen & shown.any(1)
             seen4 = seen[:, None, :, None]
             # [n, Hkv, bn, D]; keys and values no row of the tile sees become zeros before any product
             keys = torch.where(seen4, _gather(k_cache, page, off, heads, kv_layout), 0).float()
@@ -183,6 +194,8 @@ def paged_attention_torch(
                 logits = softcap * torch.tanh(logits / softcap)
             jj = j[None, None, :]
             vis = seen[:, None, :]  # [lo, hi) is inside [kv_start, length)
+            if key_mask is not None:
+                vis = vis & shown
             if causal:
                 vis = vis & (jj <= lim[:, :, None])
             if window_left >= 0:

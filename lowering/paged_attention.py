@@ -33,7 +33,7 @@ def _sizes(node) -> list[int]:
     return [_inductor.static_int(s) for s in node.get_size()]
 
 
-def _problem(q, k_cache, page_table, kv_layout: str) -> Problem:
+def _problem(q, k_cache, page_table, kv_layout: str, key_mask: bool = False) -> Problem:
     q_size, kv_size, pt_size = _sizes(q), _sizes(k_cache), _sizes(page_table)
     page_size, hkv = cache_dims(kv_size, kv_layout)
     device = q.get_device()
@@ -42,13 +42,13 @@ def _problem(q, k_cache, page_table, kv_layout: str) -> Problem:
         batch=pt_size[0], q_len=q_size[1] if len(q_size) == 4 else q_size[0], packed=len(q_size) == 3,
         num_q_heads=q_size[-2], num_kv_heads=hkv, head_dim=q_size[-1], page_size=page_size,
         max_pages=pt_size[1], q_dtype=q.get_dtype(), kv_dtype=k_cache.get_dtype(), kv_layout=kv_layout,
-        device_type=device.type, sm_count=sm_count, capability=capability)
+        device_type=device.type, sm_count=sm_count, capability=capability, key_mask=key_mask)
 
 
 def _lower(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *, kv_layout="NHD", causal=True,
            scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=None, v_descale=None,
-           out=None):
-    problem = _problem(q, k_cache, page_table, kv_layout)
+           key_mask=None, out=None):
+    problem = _problem(q, k_cache, page_table, kv_layout, key_mask is not None)
     plan = plan_for(problem)
     q_size = _sizes(q)
     device = q.get_device()
@@ -61,7 +61,7 @@ def _lower(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *,
     precompile(problem, plan, options)  # no JIT compile later, inside a CUDA-graph capture
     _inductor.call_fallback(
         plan.entry_op, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale,
-        v_descale, out, lse, scratch, **options.as_kwargs(), **plan.constants())
+        v_descale, key_mask, out, lse, scratch, **options.as_kwargs(), **plan.constants())
     return out, lse
 
 

@@ -105,6 +105,13 @@ def cudnn_bool_mask(bias) -> fx.Node | None:
     NEG = -65504.0 rounded to dtype: joint-graph constant folding writes full([], -65536.0) for bf16):
         where.self(logical_not(M), NEG, 0)   or   where.self(M, 0, NEG)
     (under expands, which only broadcast: M broadcasts the same way)."""
+    return bool_mask_of(bias, CUDNN_MASK_FILL)
+
+
+def bool_mask_of(bias, fill: float = float("-inf")) -> fx.Node | None:
+    """The bool mask M where the additive bias is `where(M, 0, fill)` (or `where(logical_not(M), fill, 0)`)
+    with fill rounded to the bias's dtype, under expands; else None. fill -inf: ATen's conversion of a bool
+    mask for the CPU flash and efficient forms; CUDNN_MASK_FILL: the cuDNN form's."""
     bias = skip_noops(bias)
     while _target(bias) is aten.expand.default:
         bias = skip_noops(bias.args[0])
@@ -112,7 +119,7 @@ def cudnn_bool_mask(bias) -> fx.Node | None:
         return None
     dtype = bias.meta["val"].dtype
     cond, x, y = bias.args[:3]
-    neg = float(torch.tensor(CUDNN_MASK_FILL, dtype=dtype))
+    neg = float(torch.tensor(fill, dtype=dtype))
     values = (_scalar_constant(x, dtype), _scalar_constant(y, dtype))
     if _target(cond) is aten.logical_not.default and values == (neg, 0.0):
         cond = cond.args[0]

@@ -21,12 +21,18 @@ cache_seqlens / causal, by case:
   equals the mask while that position is < L, which a successful write proves.
 The cuDNN form receives a bool mask as ATen's finite conversion `where(~mask, -65504.0, 0)`
 (`sdpa_patterns.cudnn_bool_mask`); the bool mask is proven instead, under `_finite_bias`'s conditions.
+- a mask no proof places (its values come from a graph input or a buffer, or the proof's conditions fail):
+  where it is a bool mask, or its -inf (cuDNN: -65504) additive conversion, and the same for every head,
+  the op reads it (`key_mask` [B, S or 1, L], `_read_mask`), causal=False, cache_seqlens / kv_start the
+  last + 1 / first key some query of the request sees, reduced from the mask on the device. Exact for any
+  mask values; under cuDNN's finite bias a row that sees no key sees every key, as cuDNN computes.
 Everything else is left alone, with the reason recorded. Rows that see no key at all (negative positions)
 give zeros in the op, as in SDPA's CPU and math paths with a -inf mask.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from dataclasses import dataclass
@@ -38,7 +44,8 @@ from b12x_inductor.plan import HEAD_DIMS
 
 from . import _inductor
 from .mask_proof import Unprovable, position_forms, prove_causal
-from .sdpa_patterns import CUDNN_MASK_FILL, SdpaCall, cudnn_bool_mask, is_math_form, match, skip_noops, unrepeat_kv
+from .sdpa_patterns import (CUDNN_MASK_FILL, SdpaCall, bool_mask_of, cudnn_bool_mask, is_math_form, match, skip_noops,
+                            unrepeat_kv)
 
 log = logging.getLogger("b12x_inductor.substitute")
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -67,6 +74,8 @@ class _Replacement:
     window_left: int = -1
     kv_start_shift: int | None = None  # kv_start = clamp(T + 1 - shift, 0, L): a window at a runtime position
     empty_sees_all: bool = False  # cache_seqlens = L where T + 1 <= 0 (cuDNN's finite bias; see _finite_bias)
+    key_mask: fx.Node | None = None  # bool [Bm, 1, Sm, Lm] (or fewer leading dims): read by the kernel
+    key_mask_fill_empty: bool = False  # a row that sees no key sees every key (cuDNN's finite bias)
 
 
 def _val(node) -> torch.Tensor | None:
@@ -129,6 +138,50 @@ def decide(call: SdpaCall, gm: fx.GraphModule | None = None) -> _Replacement | s
         return "both a mask and is_causal"
     if not isinstance(call.mask, fx.Node):
         return "the mask is not a tensor of the graph"
+    proven = _proven(call, k, v, geometry, gm, b, hq, s, length)
+    if not isinstance(proven, str):
+        return proven
+    read = _read_mask(call, k, v, geometry, b, s, length)
+    if isinstance(read, str):
+        return f"{proven}; {read}"
+    return dataclasses.replace(read, summary=f"{read.summary} ({proven})")
+
+
+def _read_mask(call: SdpaCall, k, v, geometry: str, b: int, s: int, length: int) -> _Replacement | str:
+    """The replacement that hands the kernel the mask itself (op argument key_mask), or why not: exact for
+    any bool mask (and its -inf / cuDNN -65504 additive conversions) that is the same for every head.
+    cache_seqlens and kv_start become the last and first keys some row of the request sees (computed on the
+    device), causal=False: the mask alone decides within that range. Rows that see no key give zeros, as
+    SDPA's CPU and math paths do with a -inf mask; under cuDNN's finite bias such a row sees every key."""
+    val = _val(call.mask)
+    cudnn = call.node.target is aten._scaled_dot_product_cudnn_attention.default
+    if val is not None and val.dtype == torch.bool:
+        mask = call.mask
+    else:
+        mask = cudnn_bool_mask(call.mask) if cudnn else bool_mask_of(call.mask)
+        if mask is None:
+            return ("an additive mask that is not a bool mask's 0 / -inf form: its values are unknown at "
+                    "compile time")
+    base = skip_noops(mask)
+    while base.op == "call_function" and base.target is aten.expand.default:
+        base = skip_noops(base.args[0])
+    shape = _static(_val(base).shape) if _val(base) is not None else None
+    if shape is None or len(shape) > 4:
+        return f"the mask's shape {shape} is not static or has more than 4 dims"
+    bm, hm, sm, lm = (1,) * (4 - len(shape)) + shape
+    if hm != 1:
+        return f"the mask differs per head ({hm} heads): the op takes one mask row per query"
+    if bm not in (1, b) or sm not in (1, s) or lm not in (1, length):
+        return f"mask shape {shape} does not broadcast to [B={b}, 1, S={s}, L={length}]"
+    form = "cuDNN's bool-mask bias" if cudnn and mask is not call.mask else "the mask"
+    return _Replacement(k=k, v=v, causal=False, seqlens=("mask",), key_mask=base,
+                        key_mask_fill_empty=cudnn and mask is not call.mask,
+                        summary=f"{geometry}, {form} read by the kernel (key_mask [B, {sm}, {length}]), "
+                                f"cache_seqlens / kv_start = the last / first key some row sees")
+
+
+def _proven(call: SdpaCall, k, v, geometry: str, gm, b: int, hq: int, s: int, length: int) -> _Replacement | str:
+    """The replacement from a compile-time proof of the mask's meaning (no mask read), or why not."""
     bool_mask = cudnn_bool_mask(call.mask) \
         if call.node.target is aten._scaled_dot_product_cudnn_attention.default else None
     finite = bool_mask is not None
@@ -258,6 +311,38 @@ def _lengths(add: _Builder, rep: _Replacement, batch: int, length: int, device) 
     return clamped(offset, rep.empty_sees_all), kv_start
 
 
+def _mask_nodes(add: _Builder, rep: _Replacement, batch: int, length: int, device):
+    """(key_mask bool [B, Sm, L], cache_seqlens, kv_start int32 [B]) of a read mask."""
+    m = rep.key_mask
+    while m.meta["val"].dim() < 4:
+        m = add(aten.unsqueeze.default, m, 0)
+    m = add(aten.select.int, m, 1, 0)  # [Bm, Sm, Lm]
+    bm, sm, lm = m.meta["val"].shape
+    if lm != length:
+        m = add(aten.expand.default, m, [bm, sm, length])
+    # (only ops Inductor lowers after its decompositions: amax of int32 for `any`, mul and add for `L - x`)
+    as_int = add(prims.convert_element_type.default, m, torch.int32)
+    if rep.key_mask_fill_empty:  # a row that sees no key sees them all
+        row_seen = add(aten.amax.default, as_int, [-1], True)
+        m = add(aten.logical_or.default, m, add(aten.eq.Scalar, row_seen, 0))
+        as_int = add(prims.convert_element_type.default, m, torch.int32)
+    seen = add(aten.amax.default, as_int, [1])  # [Bm, L]: 1 where some row sees the key
+    pos = add(prims.iota.default, length, start=0, step=1, dtype=torch.int32, device=device, requires_grad=False)
+    last = add(aten.amax.default, add(aten.mul.Tensor, seen, add(aten.add.Tensor, pos, 1)), [-1])  # 0: none
+    # first = L - max(seen * (L - pos)): L where none
+    first = add(aten.add.Tensor, add(aten.mul.Tensor, add(aten.amax.default, add(
+        aten.mul.Tensor, seen, add(aten.add.Tensor, add(aten.mul.Tensor, pos, -1), length)), [-1]), -1), length)
+
+    def lengths(x: fx.Node) -> fx.Node:
+        x = add(prims.convert_element_type.default, x, torch.int32)
+        if bm != batch:
+            x = add(aten.expand.default, x, [batch])
+        return add(aten.clone.default, x, memory_format=torch.contiguous_format)
+
+    key_mask = m if bm == batch else add(aten.expand.default, m, [batch, sm, length])
+    return key_mask, lengths(last), lengths(add(aten.minimum.default, first, last))
+
+
 def _apply(call: SdpaCall, rep: _Replacement) -> None:
     graph = call.node.graph
     q_val, k_val = _val(call.q), _val(rep.k)
@@ -267,10 +352,14 @@ def _apply(call: SdpaCall, rep: _Replacement) -> None:
         q = add(aten.permute.default, call.q, [0, 2, 1, 3])  # [B, S, Hq, D]
         iota = add(prims.iota.default, batch, start=0, step=1, dtype=torch.int32, device=device, requires_grad=False)
         pages = add(aten.unsqueeze.default, iota, 1)
-        seqlens, kv_start = _lengths(add, rep, batch, length, device)
+        key_mask = None
+        if rep.key_mask is not None:
+            key_mask, seqlens, kv_start = _mask_nodes(add, rep, batch, length, device)
+        else:
+            seqlens, kv_start = _lengths(add, rep, batch, length, device)
         pair = add(torch.ops.b12x.paged_attention.default, q, rep.k, rep.v, pages, seqlens, None,
                    kv_layout="HND", causal=rep.causal, scale=call.scale, window_left=rep.window_left,
-                   kv_start=kv_start)
+                   kv_start=kv_start, key_mask=key_mask)
         out = add(aten.permute.default, add(operator.getitem, pair, 0), [0, 2, 1, 3])  # [B, Hq, S, D]
     except Exception:
         add.undo()

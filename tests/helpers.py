@@ -57,7 +57,8 @@ def run_family(t, options, family, out=None, overrides=None):
         t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"],
         kv_layout=options.get("kv_layout", "NHD"), causal=options.get("causal", True), scale=options.get("scale"),
         window_left=options.get("window_left", -1), kv_start=t["kv_start"], sinks=t["sinks"],
-        softcap=options.get("softcap", 0.0), k_descale=t["k_descale"], v_descale=t["v_descale"], out=None)
+        softcap=options.get("softcap", 0.0), k_descale=t["k_descale"], v_descale=t["v_descale"],
+        key_mask=t.get("key_mask"), out=None)
     plan = family_plan(problem, family, **(overrides or {}))
     q = t["q"]
     out = torch.full_like(q, float("nan")) if out is None else out
@@ -66,7 +67,7 @@ def run_family(t, options, family, out=None, overrides=None):
     opts = kernels.Options.of(q.shape[-1], kv_layout=options.get("kv_layout", "NHD"),
                               causal=options.get("causal", True), scale=options.get("scale"),
                               window_left=options.get("window_left", -1), softcap=options.get("softcap", 0.0))
-    the_call = kernels.Call(**{k: t[k] for k in kernels.Call.INPUTS}, out=out, lse=lse, scratch=scratch,
+    the_call = kernels.Call(**{k: t.get(k) for k in kernels.Call.INPUTS}, out=out, lse=lse, scratch=scratch,
                             options=opts, plan=plan)
 
     def call():
@@ -87,7 +88,7 @@ def direct_call(t: dict, mode: str, options: dict, tiles: dict):
     scratch_bytes = rows * q.shape[-2] * splits * (q.shape[-1] + 1) * 4 if splits > 1 else 0
     plan = Plan(mode=mode, family="triton", scratch_bytes=scratch_bytes, **tiles)
     return kernels.Call(
-        **{k: t[k] for k in kernels.Call.INPUTS}, out=torch.full(q.shape, float("nan"), dtype=q.dtype),
+        **{k: t.get(k) for k in kernels.Call.INPUTS}, out=torch.full(q.shape, float("nan"), dtype=q.dtype),
         lse=torch.full(q.shape[:-1], float("nan")), scratch=torch.empty(scratch_bytes, dtype=torch.uint8),
         options=kernels.Options(**options), plan=plan)
 

@@ -117,15 +117,21 @@ def test_several_queries_written_at_runtime_positions(window):
 
 @pytest.mark.parametrize("start", [None, 9])
 def test_several_queries_at_consecutive_positions(start):
-    """S > 1 at start + arange(S): substituted for a constant start (bottom-right causal is exact); left
-    alone for a runtime start (exact only while start + S <= L, which the pass cannot prove)."""
+    """S > 1 at start + arange(S): substituted for a constant start (bottom-right causal is exact); for a
+    runtime start (the causal form is exact only while start + S <= L, which the pass cannot prove) the
+    kernel reads the mask instead, exact at every start, past L included."""
     def fn(q, k, v, runtime_start):
         pos = torch.arange(4) + (runtime_start if start is None else start)
         mask = torch.arange(L)[None, None, None, :] <= pos[None, None, :, None]
         return _sdpa_gqa(q, k, v, mask)
 
     if start is None:
-        _check_same(fn, *_decode_args(torch.tensor(9), s=4), substituted=False, reason="cannot prove")
+        args = _decode_args(torch.tensor(9), s=4)
+        _check_same(fn, *args, substituted=True, reason="read by the kernel")
+        _, gm, new = _rewrite(fn, *args)
+        for s0 in (0, 5, L - 4, L - 2, L + 3):
+            torch.testing.assert_close(new(*args[:3], torch.tensor(s0)), gm(*args[:3], torch.tensor(s0)), atol=2e-5,
+                                       rtol=1e-5)
     else:
         _check_same(fn, *_decode_args(torch.tensor(0), s=4), substituted=True, reason="cache_seqlens = 13")
 
@@ -195,23 +201,40 @@ def test_finite_minimum_mask_is_left_alone():
     _check_same(fn, *_decode_args(torch.tensor([5])), substituted=False, reason="other than 0 and -inf")
 
 
-def test_cross_attention_with_padding_mask_is_left_alone():
+def test_cross_attention_with_padding_mask_reads_the_mask():
+    """Encoder keys with a key-padding mask whose values only the device knows: the kernel reads it. Rows
+    of one request share the mask; a request whose keys are all padding gets zeros, as SDPA gives."""
     def fn(q, k, v, keep):  # encoder keys, a key-padding mask: not causal
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
 
     q, k, v = _rand(B, HQ, 5, D), _rand(B, HQ, 12, D), _rand(B, HQ, 12, D)
     keep = torch.rand(B, 12) > 0.3
     keep[:, 0] = True
-    _check_same(fn, q, k, v, keep, substituted=False, reason="mask not proven causal")
+    keep[:, 5] = False  # a hole
+    d = _check_same(fn, q, k, v, keep, substituted=True, reason="read by the kernel")
+    assert "mask not proven causal" in d.reason
+    _, gm, new = _rewrite(fn, q, k, v, keep)
+    keep[1] = False  # request 1 sees no key
+    torch.testing.assert_close(new(q, k, v, keep), gm(q, k, v, keep), atol=2e-5, rtol=1e-5)
+    assert new(q, k, v, keep)[1].abs().max() == 0
 
 
-def test_buffer_mask_gpt_fast_idiom_is_left_alone():
-    """gpt-fast indexes a tril buffer by input_pos: the buffer is a graph input, its values unknown."""
+def test_buffer_mask_gpt_fast_idiom_reads_the_mask():
+    """gpt-fast indexes a tril buffer by input_pos: the buffer is a graph input, its values unknown at
+    compile time, so the kernel reads the mask; exact for any buffer contents (holes included)."""
     def fn(q, k, v, causal_mask, input_pos):
         return _sdpa_gqa(q, k, v, causal_mask[None, None, input_pos])
 
     tril = torch.ones(L, L, dtype=torch.bool).tril()
-    _check_same(fn, *_decode_args(tril), torch.tensor([5]), substituted=False, reason="causal_mask")
+    args = (*_decode_args(tril), torch.tensor([5]))
+    _check_same(fn, *args, substituted=True, reason="read by the kernel")
+    _, gm, new = _rewrite(fn, *args)
+    holes = tril.clone()
+    holes[:, 3] = False
+    holes[7] = False  # position 7 sees no key
+    for mask, pos in ((tril, 0), (tril, L - 1), (holes, 9), (holes, 7)):
+        got, want = new(*args[:3], mask, torch.tensor([pos])), gm(*args[:3], mask, torch.tensor([pos]))
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("pos", [3, 20])
@@ -224,17 +247,33 @@ def test_sliding_window_is_substituted(pos):
                 reason="kv_start = clamp(p_1.flatten()[0 + 0 * b] + 1 - 8, 0, 32)")
 
 
-@pytest.mark.parametrize("case", ["runtime_window", "several_runtime_positions", "top_left_causal", "head_dim"])
-def test_other_refusals(case):
+@pytest.mark.parametrize("case", ["runtime_window", "several_runtime_positions"])
+def test_unproven_masks_are_read(case):
+    """Masks the proof cannot place (a window of runtime width, several runtime positions) are read by the
+    kernel: exact for the values traced and for others."""
     if case == "runtime_window":
         def fn(q, k, v, p, width):
             j = torch.arange(L)
             return _sdpa_gqa(q, k, v, (j <= p[:, None]) & (j > p[:, None] - width))
-        args, reason = (*_decode_args(torch.tensor([20])), torch.tensor(8)), "not causal + a window"
-    elif case == "several_runtime_positions":
+        args, reason, other = (*_decode_args(torch.tensor([20])), torch.tensor(8)), "not causal + a window", (
+            torch.tensor([3]), torch.tensor(2))
+    else:
         def fn(q, k, v, p):
             return _sdpa_gqa(q, k, v, torch.arange(L) <= p[:, None])
-        args, reason = _decode_args(torch.tensor([3, 4, 5]), s=3), "not provably consecutive"
+        args, reason, other = _decode_args(torch.tensor([3, 4, 5]), s=3), "not provably consecutive", (
+            torch.tensor([9, 2, -1]),)
+    d = _check_same(fn, *args, substituted=True, reason="read by the kernel")
+    assert reason in d.reason, d
+    _, gm, new = _rewrite(fn, *args)
+    torch.testing.assert_close(new(*args[:3], *other), gm(*args[:3], *other), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["top_left_causal", "head_dim", "per_head_mask"])
+def test_other_refusals(case):
+    if case == "per_head_mask":
+        def fn(q, k, v, keep):
+            return _sdpa_gqa(q, k, v, keep)
+        args, reason = (*_decode_args(torch.rand(B, HQ, 1, L) > 0.3)[:3], torch.rand(B, HQ, 1, L) > 0.3), "per head"
     elif case == "top_left_causal":
         fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
         args, reason = (_rand(B, HQ, 2, D), _rand(B, HQ, 9, D), _rand(B, HQ, 9, D)), "top-left"
@@ -353,12 +392,13 @@ def test_cudnn_forms_on_fake_cuda(case):
             _position_mask(q, p).logical_not(), torch.finfo(dt).min), 1, _cudnn, False, "other than 0 and -inf"),
         "other_constant": (lambda q, p: torch.where(_position_mask(q, p).logical_not(), -1e4, torch.scalar_tensor(
             0.0, dtype=dt, device=q.device)), 1, _cudnn, False, "other than 0 and -inf"),
-        "not_causal": (lambda q, p: _converted(_position_mask(q, p).logical_not(), dt), 1, _cudnn, False,
-                       "mask not proven causal"),
+        # not provable: the kernel reads the bool mask (a row that sees no key then sees all, as under cuDNN)
+        "not_causal": (lambda q, p: _converted(_position_mask(q, p).logical_not(), dt), 1, _cudnn, True,
+                       "cuDNN's bool-mask bias read by the kernel"),
         "runtime_queries": (lambda q, p: _converted(_position_mask(q, p + torch.arange(4, device=q.device)), dt),
-                            4, _cudnn, False, "every query row sees some key"),
+                            4, _cudnn, True, "every query row sees some key"),
         "empty_row": (lambda q, p: _converted(torch.ones(4, L, dtype=torch.bool, device=q.device).tril(-1), dt),
-                      4, _cudnn, False, "a query row sees no key"),
+                      4, _cudnn, True, "a query row sees no key"),
         "efficient_form": (lambda q, p: _converted(_position_mask(q, p), dt), 1,
                            lambda q, k, v, b: torch.ops.aten._scaled_dot_product_efficient_attention(
                                q, k, v, b, False)[0], False, "other than 0 and -inf"),

@@ -30,11 +30,13 @@ F8 = torch.float8_e4m3fn
 
 def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="NHD", dtype=torch.bfloat16,
                 kv_dtype=None, packed=False, lens=None, q_lens=None, kv_start=False, sinks=False, descale=None,
-                seed=0, device="cpu", spare_pages=1, nan_unused=False):
+                seed=0, device="cpu", spare_pages=1, nan_unused=False, key_mask=None):
     """Tensors of one call: caches are views of a combined [num_pages, 2, ...] cache (odd strides), pages in
     random order, fresh random values. Packed q has 3 padding rows past the live tokens. `nan_unused`: every
     cache slot that holds no key of [kv_start, length) of a request is NaN (unwritten or evicted memory:
-    a kernel must never let it reach out)."""
+    a kernel must never let it reach out). `key_mask` "request" ([B, 1, capacity]) or "rows" ([B, S,
+    capacity], 4-D q): random holes, one query row (request 0's first) that sees no key, and a strided view
+    (every other key column of a wider mask); with nan_unused, slots no row of their request sees are NaN."""
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
     lens = lens or [q_len + 9 + 7 * b for b in range(batch)]
@@ -44,17 +46,26 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
     kv = torch.randn((num_pages, 2, *inner), generator=gen) * (2.0 if kv_dtype == F8 else 1.0)
     page_table = torch.randperm(num_pages, generator=gen)[: batch * max_pages].reshape(batch, max_pages)
     starts = [1 + 2 * b if kv_start else 0 for b in range(batch)]
+    mask = None
+    if key_mask is not None:
+        cap = max_pages * page_size
+        wide = torch.rand(batch, q_len if key_mask == "rows" else 1, 2 * cap, generator=gen) < 0.7
+        mask = wide[:, :, ::2]
+        mask[0, 0] = False
     if nan_unused:
         live = torch.zeros(num_pages, page_size, dtype=torch.bool)
         for b, n in enumerate(lens):
             j = torch.arange(starts[b], n)
+            if mask is not None:
+                j = j[mask[b, :, j].any(0)]
             live[page_table[b, j // page_size], j % page_size] = True
         live = live[:, None, :, None, None] if kv_layout == "NHD" else live[:, None, None, :, None]
         kv = kv.masked_fill(~live, float("nan"))
     kv = kv.to(kv_dtype).to(device)
     t = dict(k_cache=kv[:, 0], v_cache=kv[:, 1], page_table=page_table.int().to(device),
              cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device), cu_seqlens_q=None,
-             kv_start=None, sinks=None, k_descale=None, v_descale=None)
+             kv_start=None, sinks=None, k_descale=None, v_descale=None,
+             key_mask=None if mask is None else mask.to(device))
     if packed:
         q_lens = q_lens or [min(n, 5 + 3 * b) for b, n in enumerate(lens)]
         cu = [0]
@@ -107,6 +118,13 @@ INTERPRETER_CASES = [
     ("verify_mtiles_short", "verify", (2, 16, 16), dict(q_len=5, hq=8, hkv=1, lens=[3, 12], page_size=3), dict()),
     ("extend_4d_window", "extend", (1, 16, 16), dict(q_len=18, lens=[18, 30], d=96, sinks=True, kv_start=True),
      dict(window_left=4, softcap=2.0)),
+    ("decode_key_mask", "decode", (3, 16, 16), dict(key_mask="request", nan_unused=True, sinks=True), dict()),
+    ("verify_key_mask_rows", "verify", (2, 16, 16), dict(q_len=4, key_mask="rows", nan_unused=True, kv_start=True),
+     dict(window_left=6)),
+    ("verify_key_mask_noncausal", "verify", (1, 16, 16), dict(q_len=3, key_mask="rows", kv_dtype=F8, descale="b"),
+     dict(causal=False)),
+    ("extend_4d_key_mask", "extend", (1, 16, 16), dict(q_len=18, lens=[18, 40], key_mask="rows", nan_unused=True),
+     dict()),
     ("extend_packed", "extend", (1, 16, 16), dict(packed=True, lens=[25, 33], page_size=5, kv_layout="HND"),
      dict()),
     ("extend_packed_fp8_noncausal", "extend", (1, 16, 16),
@@ -235,6 +253,13 @@ GPU_CASES = [
                                    q_lens=[90, 100], kv_dtype=F8, descale="b")),
     ("extend_d256_fp16", dict(batch=1, q_len=130, hq=4, hkv=1, d=256, page_size=16, lens=[400],
                               dtype=torch.float16)),
+    # key_mask (the substitution's route for masks only the device knows): the Triton family reads it
+    ("decode_key_mask", dict(batch=3, hq=32, hkv=8, d=128, page_size=16, lens=[900, 65, 300], key_mask="request",
+                             nan_unused=True, sinks=True), {}),
+    ("verify_key_mask_rows_fp8", dict(batch=2, q_len=4, hq=16, hkv=4, d=128, page_size=16, lens=[700, 40],
+                                      key_mask="rows", kv_dtype=F8, descale="b", nan_unused=True), {}),
+    ("extend_4d_key_mask", dict(batch=2, q_len=150, hq=16, hkv=4, d=64, page_size=16, lens=[150, 420],
+                                key_mask="rows", nan_unused=True), {}),
 ]
 
 
@@ -243,7 +268,8 @@ def _call(t, options, out=None):
 
     return b12x.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"],
                                 t["cu_seqlens_q"], kv_start=t["kv_start"], sinks=t["sinks"],
-                                k_descale=t["k_descale"], v_descale=t["v_descale"], return_lse=True, out=out,
+                                k_descale=t["k_descale"], v_descale=t["v_descale"], key_mask=t.get("key_mask"),
+                                return_lse=True, out=out,
                                 **options)
 
 
@@ -261,7 +287,8 @@ def _plan_of(t, options):
         t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"],
         kv_layout=options.get("kv_layout", "NHD"), causal=options.get("causal", True), scale=options.get("scale"),
         window_left=options.get("window_left", -1), kv_start=t["kv_start"], sinks=t["sinks"],
-        softcap=options.get("softcap", 0.0), k_descale=t["k_descale"], v_descale=t["v_descale"], out=None)
+        softcap=options.get("softcap", 0.0), k_descale=t["k_descale"], v_descale=t["v_descale"],
+        key_mask=t.get("key_mask"), out=None)
     return select_plan(problem)
 
 

@@ -53,9 +53,10 @@ def available() -> bool:
 def supports(problem) -> bool:
     """Whether this family expresses the problem: CUDA of a verified capability, bf16/fp16 q, NHD or HND, any
     page size; decode/verify with the cache in q's dtype or float8_e4m3fn, head dims 64/128/256 and at most 16
-    query rows per KV head; extend (4D or packed q) with the cache in q's dtype and head dims 64/128.
+    query rows per KV head; extend (4D or packed q) with the cache in q's dtype and head dims 64/128. No
+    key_mask (the Triton family reads it).
     (Installed or not: `available()` says that.)"""
-    if problem.device_type != "cuda" or problem.capability not in VERIFIED_CAPABILITIES:
+    if problem.device_type != "cuda" or problem.capability not in VERIFIED_CAPABILITIES or problem.key_mask:
         return False
     if problem.q_dtype not in Q_DTYPES_CUDA or problem.kv_layout not in ("NHD", "HND"):
         return False

@@ -127,6 +127,9 @@ class Launch:
     sinks: object
     kds: Descale
     vds: Descale
+    key_mask: object  # uint8 [B, S or 1, capacity] (a bool mask's bytes), or a dummy with has_key_mask 0
+    km_strides: tuple[int, int, int]  # (request, query row: 0 for one row per request, key)
+    has_key_mask: bool  # a compile-time flag of the kernels
     out: object
     lse: object
     part_o: object  # split partials (decode/verify with splits > 1), else lse as a dummy
@@ -147,19 +150,20 @@ def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
     softcap = options.softcap
     common = (
         *x.q_strides, *x.k_strides, *x.v_strides, x.pt_stride,
-        x.kds.stride_b, x.kds.stride_h, x.vds.stride_b, x.vds.stride_h,
+        x.kds.stride_b, x.kds.stride_h, x.vds.stride_b, x.vds.stride_h, *x.km_strides,
         x.has_kv_start, x.has_sinks, x.kds.present, x.vds.present,
         max(window, 0), options.scale, softcap if softcap > 0 else 1.0,
         x.max_pages, x.num_pages,
     )
     flags = dict(CAUSAL=options.causal, USE_WINDOW=window >= 0, USE_SOFTCAP=softcap > 0,
-                 DOT=_dot_dtype(x.q_dtype, x.kv_dtype), D=x.d, BLOCK_D=next_pow2(x.d), PAGE=x.page_size)
+                 DOT=_dot_dtype(x.q_dtype, x.kv_dtype), D=x.d, BLOCK_D=next_pow2(x.d), PAGE=x.page_size,
+                 HAS_KEY_MASK=x.has_key_mask)
     tune = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.mode == "extend":
         tiles = -(-x.q_len // plan.block_m) + x.batch if x.packed else x.batch * -(-x.q_len // plan.block_m)
         grid = (x.hq, tiles)
-        args = (x.q, x.k, x.v, x.pt, x.seqlens, x.cu, x.kv_start, x.sinks, x.kds.ptr, x.vds.ptr, x.out, x.lse,
-                *common)
+        args = (x.q, x.k, x.v, x.pt, x.seqlens, x.cu, x.kv_start, x.sinks, x.kds.ptr, x.vds.ptr, x.key_mask, x.out,
+                x.lse, *common)
         consts = dict(B=x.batch, S=x.q_len, B_P2=next_pow2(x.batch + 1), G=g, HQ=x.hq, BLOCK_M=plan.block_m,
                       BLOCK_N=plan.block_n, PACKED=x.packed, **flags)
         if warmup:
@@ -171,8 +175,8 @@ def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
     splits = plan.num_splits
     m_tiles = -(-(x.q_len * g) // plan.block_m)
     grid = (x.batch * x.hkv * m_tiles, splits)
-    args = (x.q, x.k, x.v, x.pt, x.seqlens, x.kv_start, x.sinks, x.kds.ptr, x.vds.ptr, x.out, x.lse, x.part_o,
-            x.part_l, *common)
+    args = (x.q, x.k, x.v, x.pt, x.seqlens, x.kv_start, x.sinks, x.kds.ptr, x.vds.ptr, x.key_mask, x.out, x.lse,
+            x.part_o, x.part_l, *common)
     consts = dict(S=x.q_len, G=g, HKV=x.hkv, M_TILES=m_tiles, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
                   NUM_SPLITS=splits, **flags)
     merge_grid = (x.batch * x.q_len * x.hq,)
@@ -211,6 +215,10 @@ def _launch_of(call) -> Launch:
     qs = q.stride()
     int_dummy, float_dummy = call.cache_seqlens, call.lse
     part_o = part_l = call.lse
+    km = call.key_mask
+    if km is not None:
+        km = km.view(torch.uint8)
+        km_strides = (km.stride(0), km.stride(1) if km.shape[1] > 1 else 0, km.stride(2))
     if call.mode != "extend" and call.plan.num_splits > 1:
         part_o, part_l = split_partials(call.scratch, batch * q_len * q.shape[-2] * call.plan.num_splits,
                                         q.shape[-1])
@@ -224,7 +232,8 @@ def _launch_of(call) -> Launch:
         kv_start=int_dummy if call.kv_start is None else call.kv_start,
         sinks=float_dummy if call.sinks is None else call.sinks,
         kds=Descale.of(call.k_descale, float_dummy), vds=Descale.of(call.v_descale, float_dummy),
-        out=call.out, lse=call.lse, part_o=part_o, part_l=part_l, has_kv_start=int(call.kv_start is not None),
+        key_mask=int_dummy if km is None else km, km_strides=(0, 0, 0) if km is None else km_strides,
+        has_key_mask=km is not None, out=call.out, lse=call.lse, part_o=part_o, part_l=part_l, has_kv_start=int(call.kv_start is not None),
         has_sinks=int(call.sinks is not None))
 
 
@@ -263,7 +272,9 @@ def warmup_launch(problem, options) -> Launch:
         q_strides=(0, q_strides[0], q_strides[1]) if problem.packed else q_strides[:3],
         k_strides=_cache_strides(cache, problem.kv_layout), v_strides=_cache_strides(cache, problem.kv_layout),
         pt_stride=problem.max_pages, q=problem.q_dtype, k=problem.kv_dtype, v=problem.kv_dtype, pt=i32,
-        seqlens=i32, cu=i32, kv_start=i32, sinks=f32, kds=Descale(f32), vds=Descale(f32), out=problem.q_dtype,
+        seqlens=i32, cu=i32, kv_start=i32, sinks=f32, kds=Descale(f32), vds=Descale(f32),
+        key_mask=torch.uint8 if problem.key_mask else i32, km_strides=(0, 0, 0), has_key_mask=problem.key_mask,
+        out=problem.q_dtype,
         lse=f32, part_o=f32, part_l=f32, has_kv_start=0, has_sinks=0)
 
 

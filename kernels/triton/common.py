@@ -3,7 +3,9 @@
 - `live_range`: a request's length and kv_start, clamped to what the kernel knows from the tensors' shapes
   (the page table's capacity), and `page_id`: a page id clamped into the cache, widened to 64 bits. No device
   value makes a kernel touch memory outside its tensors (the README's "Bad input" states the contract).
-- `tile`: one BLOCK_N-key tile of the online softmax (log2 domain) over the paged cache.
+- `tile`: one BLOCK_N-key tile of the online softmax (log2 domain) over the paged cache, with the optional
+  key mask (HAS_KEY_MASK: one uint8 row per query row, read for the tile's keys; a key no row of the tile
+  sees has its values replaced by zeros, so whatever the slot holds never reaches a product).
 - `finish`: the epilogue of a row's softmax: the sink folded into the denominator, normalized output and
   natural-log lse; a row that saw no key gets zeros and lse = -inf.
 - `RUNTIME_ARGS`: the arguments no kernel specializes on (optional tensors, their flags and strides, the
@@ -42,12 +44,15 @@ def page_id(page, num_pages):
 
 @triton.jit
 def tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp, stride_ko,
-         stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
+         stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left, km_rows, km_j,
          BLOCK_N: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
-         CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr):
+         CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr,
+         HAS_KEY_MASK: tl.constexpr):
     """One BLOCK_N-key tile of the online softmax (decode, verify and extend): gathers the tile's K and V
     through the page table, applies scale, softcap and (MASKED) the kv_start / causal / window masks and the
-    tile end `hi`, and returns the updated (acc, m, l). Unmasked tiles (extend's middle) skip every mask."""
+    tile end `hi`, and returns the updated (acc, m, l). Unmasked tiles (extend's middle) skip every mask but
+    the key mask (HAS_KEY_MASK: key j of row r visible only where km_rows[r][j * km_j] != 0; offs_n < hi keeps
+    the reads inside the mask's rows, whose length is the page table's capacity)."""
     offs_n = j0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     if MASKED:
@@ -59,11 +64,18 @@ def tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pag
     slot = (offs_n % PAGE).to(tl.int64)
     k_ptrs = k_head + page[:, None] * stride_kp + slot[:, None] * stride_ko + offs_d[None, :]
     v_ptrs = v_head + page[:, None] * stride_vp + slot[:, None] * stride_vo + offs_d[None, :]
+    if HAS_KEY_MASK:
+        shown = tl.load(km_rows[:, None] + offs_n[None, :].to(tl.int64) * km_j, mask=n_ok[None, :], other=0) != 0
+        v_ok = (tl.max(shown.to(tl.int32), 0) > 0)[:, None] & kv_mask
     if MASKED or not EVEN_D:
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     else:
         k = tl.load(k_ptrs)
+    if HAS_KEY_MASK:
+        v = tl.load(v_ptrs, mask=v_ok, other=0.0)
+    elif MASKED or not EVEN_D:
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    else:
         v = tl.load(v_ptrs)
     if USE_SOFTCAP:
         logits = softcap * LOG2E * _tanh(tl.dot(q, tl.trans(k.to(DOT))) * (k_scale / softcap))
@@ -75,7 +87,11 @@ def tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pag
             visible = visible & (offs_n[None, :] <= limit[:, None])
         if USE_WINDOW:
             visible = visible & (offs_n[None, :] >= limit[:, None] - window_left)
+        if HAS_KEY_MASK:
+            visible = visible & shown
         logits = tl.where(visible, logits, float("-inf"))
+    elif HAS_KEY_MASK:
+        logits = tl.where(shown, logits, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(logits, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(logits - m_new[:, None])
@@ -101,4 +117,5 @@ def finish(acc, m_i, l_i, sink, v_scale):
 RUNTIME_ARGS = [
     "KV_START", "SINKS", "KDS", "VDS", "kds_b", "kds_h", "vds_b", "vds_h",
     "has_kv_start", "has_sinks", "has_kds", "has_vds", "window_left", "max_pages", "num_pages",
+    "KM", "km_b", "km_s", "km_j",
 ]

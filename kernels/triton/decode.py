@@ -25,18 +25,18 @@ from .common import LN2, LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, tile
 
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
 def split_kernel(
-    Q, K, V, PT, SEQLENS, KV_START, SINKS, KDS, VDS, OUT, LSE, PART_O, PART_L,
+    Q, K, V, PT, SEQLENS, KV_START, SINKS, KDS, VDS, KM, OUT, LSE, PART_O, PART_L,
     stride_qb, stride_qs, stride_qh,
     stride_kp, stride_ko, stride_kh,
     stride_vp, stride_vo, stride_vh,
     stride_ptb,
-    kds_b, kds_h, vds_b, vds_h,
+    kds_b, kds_h, vds_b, vds_h, km_b, km_s, km_j,
     has_kv_start, has_sinks, has_kds, has_vds,
     window_left, sm_scale, softcap, max_pages, num_pages,
     S: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT: tl.constexpr,
+    DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -76,6 +76,7 @@ def split_kernel(
     k_head = K + h.to(tl.int64) * stride_kh
     v_head = V + h.to(tl.int64) * stride_vh
     pt_row = PT + b.to(tl.int64) * stride_ptb
+    km_rows = KM + b.to(tl.int64) * km_b + tl.minimum(tok, S - 1).to(tl.int64) * km_s  # key-mask row of each row
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -83,7 +84,8 @@ def split_kernel(
     for j0 in range(s_lo, s_hi, BLOCK_N):
         acc, m_i, l_i = tile(acc, m_i, l_i, q, j0, s_hi, start, limit, k_head, v_head, pt_row, num_pages,
                               stride_kp, stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
-                              BLOCK_N, PAGE, False, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
+                              km_rows, km_j,
+                              BLOCK_N, PAGE, False, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT, HAS_KEY_MASK)
 
     seen = l_i > 0.0
     safe_l = tl.where(seen, l_i, 1.0)

@@ -21,18 +21,18 @@ from .common import LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, tile
 
 @triton.jit(do_not_specialize=["CU"] + RUNTIME_ARGS)
 def extend_kernel(
-    Q, K, V, PT, SEQLENS, CU, KV_START, SINKS, KDS, VDS, OUT, LSE,
+    Q, K, V, PT, SEQLENS, CU, KV_START, SINKS, KDS, VDS, KM, OUT, LSE,
     stride_qb, stride_qs, stride_qh,
     stride_kp, stride_ko, stride_kh,
     stride_vp, stride_vo, stride_vh,
     stride_ptb,
-    kds_b, kds_h, vds_b, vds_h,
+    kds_b, kds_h, vds_b, vds_h, km_b, km_s, km_j,
     has_kv_start, has_sinks, has_kds, has_vds,
     window_left, sm_scale, softcap, max_pages, num_pages,
     B: tl.constexpr, S: tl.constexpr, B_P2: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PACKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT: tl.constexpr,
+    DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
 ):
     hq = tl.program_id(0)
     t = tl.program_id(1)
@@ -109,6 +109,7 @@ def extend_kernel(
         k_head = K + h.to(tl.int64) * stride_kh
         v_head = V + h.to(tl.int64) * stride_vh
         pt_row = PT + b.to(tl.int64) * stride_ptb
+        km_rows = KM + b.to(tl.int64) * km_b + tl.minimum(rows, S - 1).to(tl.int64) * km_s  # 4-D q only
         EVEN_D: tl.constexpr = BLOCK_D == D
 
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
@@ -117,15 +118,18 @@ def extend_kernel(
         for j0 in range(lo, tl.minimum(u0, hi), BLOCK_N):
             acc, m_i, l_i = tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
                                   stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
-                                  BLOCK_N, PAGE, EVEN_D, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
+                              km_rows, km_j,
+                                  BLOCK_N, PAGE, EVEN_D, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT, HAS_KEY_MASK)
         for j0 in range(u0, u1, BLOCK_N):
             acc, m_i, l_i = tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
                                   stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
-                                  BLOCK_N, PAGE, EVEN_D, False, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
+                              km_rows, km_j,
+                                  BLOCK_N, PAGE, EVEN_D, False, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT, HAS_KEY_MASK)
         for j0 in range(tl.maximum(u1, lo), hi, BLOCK_N):
             acc, m_i, l_i = tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
                                   stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
-                                  BLOCK_N, PAGE, EVEN_D, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT)
+                              km_rows, km_j,
+                                  BLOCK_N, PAGE, EVEN_D, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT, HAS_KEY_MASK)
 
         sink = tl.where(has_sinks != 0, tl.load(SINKS + hq) * LOG2E, NEG_BIG)
         o, lse = finish(acc, m_i, l_i, sink, v_scale)
