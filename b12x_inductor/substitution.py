@@ -24,8 +24,10 @@ that differs per head, dropout, an unsupported head dim or dtype (fp32 on CUDA).
 
 The pass runs when Inductor compiles a graph: enable it before compiling (a graph compiled while it was
 off stays so until torch._dynamo.reset()). On/off enters Inductor's FX-cache key, so a cached graph is
-never reused across the switch; a graph served from that cache is not analyzed again, so it adds no
-decisions. Decisions also go to the logger "b12x_inductor.substitute" (INFO).
+never reused across the switch. A graph served from that cache (another process, the serving engine's
+compile cache) is not analyzed again: the decisions of the compile that made it come back with it
+(`Decision.from_cache`), in `last_decisions()` and the log. Decisions also go to the logger
+"b12x_inductor.substitute" (INFO).
 """
 
 from __future__ import annotations

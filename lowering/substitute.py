@@ -33,6 +33,7 @@ give zeros in the op, as in SDPA's CPU and math paths with a -inf mask.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import operator
 from dataclasses import dataclass
@@ -59,9 +60,12 @@ class Decision:
     op: str  # the SDPA form, e.g. "aten._scaled_dot_product_flash_attention_for_cpu.default"
     substituted: bool
     reason: str  # why it was left alone, or what replaced it
+    from_cache: bool = False  # the graph came from Inductor's FX graph cache: the decision of its compile
 
     def __str__(self) -> str:
-        return f"{'substituted' if self.substituted else 'left alone'}: {self.node} ({self.op}): {self.reason}"
+        cached = " (from Inductor's FX graph cache)" if self.from_cache else ""
+        what = "substituted" if self.substituted else "left alone"
+        return f"{what}{cached}: {self.node} ({self.op}): {self.reason}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -447,8 +451,41 @@ class SdpaSubstitution:
         decisions = rewrite_graph(graph)
         if decisions:
             self.last = tuple(decisions)
+            _record(decisions)
+        for d in decisions:
+            log.info("%s", d)
+
+    def replayed(self, decisions: tuple[Decision, ...]) -> None:
+        """The decisions of a graph that Inductor loaded from its FX graph cache (the pass did not run)."""
+        self.last = decisions
         for d in decisions:
             log.info("%s", d)
 
 
 REWRITE = SdpaSubstitution()
+
+
+# Decisions survive Inductor's FX graph cache: the pass counts one `_Record` (a str) in counters["inductor"]
+# while Inductor compiles; Inductor stores that compile's counter deltas in the cache entry and adds them
+# back when it loads the entry, unpickling the key, and unpickling a _Record calls `_replay`, which hands
+# its decisions to `REWRITE.replayed`. (Unpickled in another process with the same package installed.)
+
+class _Record(str):
+    def __reduce__(self):
+        return _replay, (str(self),)
+
+
+def _record(decisions) -> None:
+    from torch._dynamo.utils import counters
+
+    payload = [dataclasses.asdict(d) for d in decisions]
+    counters["inductor"][_Record("b12x substitution decisions " + json.dumps(payload))] += 1
+
+
+def _replay(key: str) -> _Record:
+    try:
+        payload = json.loads(key.split(" ", 3)[3])
+        REWRITE.replayed(tuple(Decision(**dict(d, from_cache=True)) for d in payload))
+    except Exception as e:  # a record of another version: report nothing rather than fail the load
+        log.info("b12x substitution: cached decisions not read (%s: %s)", type(e).__name__, e)
+    return _Record(key)

@@ -9,6 +9,7 @@ graph break) and error_on_recompile across decode steps.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -691,3 +692,43 @@ def test_gpu_read_masks_match_sdpa(fresh_compile, backend, s):
     decisions = substitution.last_decisions()
     if backend != "MATH":
         assert [d.substituted for d in decisions] == [True], decisions
+
+
+_CACHED_CHILD = """
+import torch, torch.nn.functional as F
+import b12x_inductor
+def f(q, k, v, keep, p):
+    j = torch.arange(16)
+    return (F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=j <= p[:, None], enable_gqa=True),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(1, 1, 1, 16).masked_fill(j > p, -1.0),
+                                           enable_gqa=True))
+torch.manual_seed(0)
+args = (torch.randn(2, 4, 1, 64), torch.randn(2, 2, 16, 64), torch.randn(2, 2, 16, 64), torch.rand(2, 1, 1, 16) > 0.4,
+        torch.tensor([5]))
+from torch._dynamo.utils import counters
+with b12x_inductor.substituting():
+    torch.compile(f)(*args)
+print("HIT", counters["inductor"]["fxgraph_cache_hit"])
+for d in b12x_inductor.last_decisions():
+    print("DECISION", d.substituted, d.from_cache, d.reason)
+"""
+
+
+def test_decisions_come_back_from_the_fx_graph_cache(tmp_path):
+    """A second process served from Inductor's FX graph cache reports the first compile's decisions (the
+    substituted and the left-alone), marked as from the cache."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_FX_GRAPH_CACHE="1")
+    runs = [subprocess.run([sys.executable, "-c", _CACHED_CHILD], env=env, capture_output=True, text=True,
+                           timeout=600) for _ in range(2)]
+    lines = [[ln.split(" ", 1)[1] for ln in r.stdout.splitlines() if ln.startswith(("HIT", "DECISION"))]
+             for r in runs]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    (hit0, *first), (hit1, *second) = lines
+    assert hit0 == "0" and int(hit1) >= 1, lines
+    assert [d.startswith("True False") for d in first] == [True, True, False], first  # read, proven, left alone
+    assert [d.replace(" True ", " False ", 1) for d in second] == first, (first, second)
+    assert all(d.split()[1] == "True" for d in second), second
