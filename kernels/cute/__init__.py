@@ -32,8 +32,7 @@ EXTEND_HEAD_DIMS = (64, 128)  # extend.py: the P V accumulators take D / 2 fp32 
 MAX_ROWS = 16  # query rows (S x Hq / Hkv) per CTA: the per-thread accumulators are rows x 2-4 fp32
 KEYS_PER_THREAD = 2  # score phase: keys per thread (each q read serves both)
 MMA_M = 16  # a plan's block_m: 16 = the tensor-core kernel (one m16 tile of query rows), 1 = the CUDA-core one
-SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
-RING_SLACK = 1024  # the K/V ring starts on 1024 bytes (128-byte swizzle of TMA boxes); plus its stage mbarriers
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90 (a kernel's is its struct's size: storage.py)
 
 # Compute capabilities the GPU tests (tests/test_cute_kernels.py -m gpu) have passed on.
 VERIFIED_CAPABILITIES = frozenset({(9, 0)})
@@ -68,12 +67,16 @@ def supports(problem) -> bool:
             and problem.q_len * problem.group <= MAX_ROWS)
 
 
-def geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, num_warps: int) -> dict | None:
-    """The split kernel's thread geometry (decode.py), or None where the configuration does not fit.
+def geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, num_warps: int,
+             tma: bool = True) -> dict | None:
+    """The split kernel's thread geometry and shared memory (decode.py), or None where the configuration does
+    not fit.
 
     Score phase: thread t takes keys t % (tile_n / 2) and + tile_n / 2, and head-dim part t // (tile_n / 2)
     of `parts`. P V phase: thread t owns `cpt` adjacent columns (one 32-bit read of V) of column group
-    t % col_groups, for keys t // col_groups + key_parts * i."""
+    t % col_groups, for keys t // col_groups + key_parts * i. `storage` is the kernel's shared memory
+    (storage.split_storage), `smem_bytes` its size; `tma`: whether tiles may go by TMA, which adds the ring's
+    stage mbarriers (the default: the larger layout)."""
     threads = 32 * num_warps
     vec = 128 // kv_bits  # elements per 16-byte chunk
     chunks = d // vec
@@ -85,22 +88,23 @@ def geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, num_w
     key_parts = threads // col_groups
     if tile_n % key_parts or tile_n % 32:
         return None
-    tile_bytes = tile_n * d * kv_bits // 8
-    ring_bytes = max(2 * stages * tile_bytes, 4 * key_parts * rows * d)  # later: P V partial sums
-    smem_bytes = (ring_bytes + 4 * rows * d + 4 * parts * rows * tile_n + 4 * tile_n * rows + 4 * 3 * rows + 256
-                  + RING_SLACK + 8 * stages)
+    from .storage import split_storage
+
+    storage = split_storage(d=d, rows=rows, kv_bits=kv_bits, tile_n=tile_n, stages=stages, parts=parts,
+                            key_parts=key_parts, tma=tma)
+    smem_bytes = storage.size_in_bytes()
     if smem_bytes > SMEM_LIMIT:
         return None
     return dict(d=d, rows=rows, tile_n=tile_n, stages=stages, warps=num_warps, threads=threads, vec=vec,
                 chunks=chunks, swizzle=min(chunks, 8) - 1, parts=parts, cpt=cpt, col_groups=col_groups,
-                key_parts=key_parts, rows_per_warp=-(-rows // num_warps), tile_bytes=tile_bytes,
-                ring_bytes=ring_bytes, smem_bytes=smem_bytes)
+                key_parts=key_parts, rows_per_warp=-(-rows // num_warps), storage=storage, smem_bytes=smem_bytes)
 
 
-def mma_geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, num_warps: int) -> dict | None:
+def mma_geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, num_warps: int,
+                 tma: bool = True) -> dict | None:
     """The tensor-core split kernel's geometry (decode_mma.py), or None where it does not fit: one m16 tile
     of query rows, tile_n / num_warps = 16 or 32 keys per warp per tile, D <= 128 (the fp32 output fragments
-    take D / 2 registers per thread)."""
+    take D / 2 registers per thread). `storage` and `smem_bytes` as in `geometry` (storage.mma_storage)."""
     threads = 32 * num_warps
     vec = 128 // kv_bits
     chunks = d // vec
@@ -108,14 +112,15 @@ def mma_geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, n
         return None
     if rows > 16 or d not in (64, 128) or (tile_n * chunks) % threads:
         return None
-    tile_bytes = tile_n * d * kv_bits // 8
-    ring_bytes = max(2 * stages * tile_bytes, 4 * num_warps * 16 * d)  # later: the warps' partial outputs
-    smem_bytes = ring_bytes + 2 * 4 * num_warps * 16 + 256 + RING_SLACK + 8 * stages
+    from .storage import mma_storage
+
+    storage = mma_storage(d=d, kv_bits=kv_bits, tile_n=tile_n, stages=stages, warps=num_warps, tma=tma)
+    smem_bytes = storage.size_in_bytes()
     if smem_bytes > SMEM_LIMIT:
         return None
     return dict(d=d, rows=rows, tile_n=tile_n, keys_per_warp=tile_n // num_warps, stages=stages, warps=num_warps,
-                threads=threads, vec=vec, chunks=chunks, swizzle=min(chunks, 8) - 1, tile_bytes=tile_bytes,
-                ring_bytes=ring_bytes, smem_bytes=smem_bytes)
+                threads=threads, vec=vec, chunks=chunks, swizzle=min(chunks, 8) - 1, storage=storage,
+                smem_bytes=smem_bytes)
 
 
 EXTEND_BLOCK_M = 128  # extend.py: query rows per CTA (two consumer warpgroups of 64)
@@ -124,16 +129,16 @@ EXTEND_BLOCK_M = 128  # extend.py: query rows per CTA (two consumer warpgroups o
 def extend_geometry(*, d: int, tile_n: int, stages: int) -> dict | None:
     """The extend kernel's shared memory (extend.py), or None where the configuration does not fit: a Q tile
     of EXTEND_BLOCK_M x D and `stages` K and V tiles of tile_n x D, 16-bit, 1024-byte aligned for the 128-byte
-    swizzle, plus 3 x stages mbarriers."""
+    swizzle, plus 3 x stages mbarriers (`storage`: storage.extend_storage; `smem_bytes` its size)."""
     if d not in EXTEND_HEAD_DIMS or tile_n % 16 or not 16 <= tile_n <= 256 or stages < 2:
         return None
-    q_bytes = EXTEND_BLOCK_M * d * 2
-    kv_bytes = tile_n * d * 2
-    smem_bytes = q_bytes + 2 * stages * kv_bytes + 1024 + 8 * 3 * stages
+    from .storage import extend_storage
+
+    storage = extend_storage(block_m=EXTEND_BLOCK_M, d=d, tile_n=tile_n, stages=stages)
+    smem_bytes = storage.size_in_bytes()
     if smem_bytes > SMEM_LIMIT:
         return None
-    return dict(d=d, tile_n=tile_n, stages=stages, chunks=d // 8, q_bytes=q_bytes, kv_bytes=kv_bytes,
-                smem_bytes=smem_bytes)
+    return dict(d=d, tile_n=tile_n, stages=stages, chunks=d // 8, storage=storage, smem_bytes=smem_bytes)
 
 
 def tma_box(*, page: int, tile_n: int) -> int:

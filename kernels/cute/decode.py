@@ -56,17 +56,17 @@ class SplitKernel:
 
     def __init__(self, *, d: int, s: int, g: int, hkv: int, page: int, num_splits: int, tile_n: int, stages: int,
                  num_warps: int, q_dtype, kv_dtype, causal: bool, use_window: bool, use_softcap: bool):
-        geo = self.GEOMETRY(d=d, rows=s * g, kv_bits=kv_dtype.width, tile_n=tile_n, stages=stages,
-                            num_warps=num_warps)
-        assert geo is not None, ("the plan's tile does not fit this kernel (kernels/cute/__init__.py: "
-                                 f"{self.GEOMETRY.__name__})")
-        self.__dict__.update(geo)
-        self.s, self.g, self.hkv, self.page, self.num_splits = s, g, hkv, page, num_splits
-        self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
-        self.causal, self.use_window, self.use_softcap = causal, use_window, use_softcap
         # TMA for whole tiles where a key's row is one 128-byte swizzle row (float8 D 128, 16-bit D 64) and the
         # page geometry allows (tma_box); 0: every tile by cp.async
         self.box = tma_box(page=page, tile_n=tile_n) if d * kv_dtype.width == 1024 else 0
+        geo = self.GEOMETRY(d=d, rows=s * g, kv_bits=kv_dtype.width, tile_n=tile_n, stages=stages,
+                            num_warps=num_warps, tma=self.box != 0)
+        assert geo is not None, ("the plan's tile does not fit this kernel (kernels/cute/__init__.py: "
+                                 f"{self.GEOMETRY.__name__})")
+        self.__dict__.update(geo)  # with `storage`, the kernel's shared memory (kernels/cute/storage.py)
+        self.s, self.g, self.hkv, self.page, self.num_splits = s, g, hkv, page, num_splits
+        self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
+        self.causal, self.use_window, self.use_softcap = causal, use_window, use_softcap
 
     @cute.jit
     def __call__(
@@ -128,22 +128,22 @@ class SplitKernel:
                     dst_v[e] = self.kv_dtype(0.0)
 
     @cute.jit
-    def _ring(self, smem, tidx: Int32, tma_k, m_k, tma_v, m_v):
-        """The K/V ring, the split kernels' first allocation (1024-byte aligned for TMA's swizzle; later reused for
-        their reductions): (its raw pointer, sK, sV, tiles). With TMA (self.box) `tiles` holds what `_fill` and
-        `_wait` need, with one mbarrier per stage completed by the THREADS arrivals of whoever filled it (plus the
-        TMA bytes); without, None (cp.async groups)."""
+    def _ring(self, storage, tidx: Int32, tma_k, m_k, tma_v, m_v):
+        """The K/V ring of the split kernels' shared memory (`storage.ring`, 1024-byte aligned for TMA's swizzle;
+        its `partials` reuse it for their reductions): (its raw pointer, sK, sV, tiles). With TMA (self.box)
+        `tiles` holds what `_fill` and `_wait` need, with one mbarrier per stage (`storage.mbar`) completed by
+        the THREADS arrivals of whoever filled it (plus the TMA bytes); without, None (cp.async groups)."""
         TILE_N = const_expr(self.tile_n)
         D = const_expr(self.d)
         kv_layout = cute.make_layout((self.stages, TILE_N, self.chunks, self.vec),
                                      stride=(TILE_N * D, D, self.vec, 1))
-        raw = smem.allocate(self.ring_bytes, byte_alignment=1024)
+        raw = storage.ring.kv.data_ptr()
         ring = cute.recast_ptr(raw, dtype=self.kv_dtype)
         sK = cute.make_tensor(ring, kv_layout)
         sV = cute.make_tensor(ring + self.stages * TILE_N * D, kv_layout)
         if const_expr(self.box == 0):
             return raw, sK, sV, None
-        mbar = smem.allocate_array(Int64, self.stages)
+        mbar = storage.mbar.data_ptr()
         if tidx == 0:
             for i in cutlass.range_constexpr(self.stages):
                 cute.arch.mbarrier_init(mbar + i, self.threads)
@@ -259,6 +259,7 @@ class SplitKernel:
         window_left: Int32, sm_scale: Float32, softcap: Float32, cap: Int32, num_pages: Int32, tma_k, m_k, tma_v,
         m_v,
     ):
+        storage = cutlass.utils.SmemAllocator().allocate(self.storage)  # kernels/cute/storage.py: split_storage
         tidx, _, _ = cute.arch.thread_idx()
         split, h, b = cute.arch.block_idx()
         warp = tidx // 32
@@ -278,15 +279,13 @@ class SplitKernel:
         KP = const_expr(self.key_parts)
 
         # ---- shared memory ----
-        smem = cutlass.utils.SmemAllocator()
-        _, sK, sV, tiles = self._ring(smem, tidx, tma_k, m_k, tma_v, m_v)
-        sQ = smem.allocate_tensor(Float32, cute.make_layout((R, CH, VEC), stride=(D, VEC, 1)), byte_alignment=16)
-        sS = smem.allocate_tensor(Float32, cute.make_layout((PARTS, R, TILE_N), stride=(R * TILE_N, TILE_N, 1)),
-                                  byte_alignment=16)
-        sP = smem.allocate_tensor(Float32, cute.make_layout((TILE_N, R), stride=(R, 1)), byte_alignment=16)
-        sAlpha = smem.allocate_tensor(Float32, cute.make_layout((R,)), byte_alignment=16)
-        sM = smem.allocate_tensor(Float32, cute.make_layout((R,)), byte_alignment=16)
-        sL = smem.allocate_tensor(Float32, cute.make_layout((R,)), byte_alignment=16)
+        _, sK, sV, tiles = self._ring(storage, tidx, tma_k, m_k, tma_v, m_v)
+        sQ = storage.q.get_tensor(cute.make_layout((R, CH, VEC), stride=(D, VEC, 1)))
+        sS = storage.scores.get_tensor(cute.make_layout((PARTS, R, TILE_N), stride=(R * TILE_N, TILE_N, 1)))
+        sP = storage.p.get_tensor(cute.make_layout((TILE_N, R), stride=(R, 1)))
+        sAlpha = storage.alpha.get_tensor(cute.make_layout((R,)))
+        sM = storage.row_max.get_tensor(cute.make_layout((R,)))
+        sL = storage.row_sum.get_tensor(cute.make_layout((R,)))
 
         # ---- the split's key range, from the live length (device-side) ----
         length, start, s_lo, s_hi, n_tiles = self._split_range(seqlens_ptr, kv_start_ptr, has_kv_start, window_left,
@@ -418,15 +417,17 @@ class SplitKernel:
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
 
-        self._write_partials(acc, m_run, l_run, sM, sL, sK, part_o_ptr, part_l_ptr, v_scale, tidx, kp, cg, b, h,
-                             split)
+        self._write_partials(acc, m_run, l_run, sM, sL, storage.ring.partials.data_ptr(), part_o_ptr, part_l_ptr,
+                             v_scale, tidx, kp, cg, b, h, split)
 
     @cute.jit
     def _write_partials(self, acc: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, sM: cute.Tensor,
-                        sL: cute.Tensor, sK: cute.Tensor, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
-                        v_scale: Float32, tidx: Int32, kp: Int32, cg: Int32, b: Int32, h: Int32, split: Int32):
-        """The split's epilogue: the key parts of P V added up (in the K ring, reused), each row normalized by
-        its sum, and its partial output and log2-sum-exp written where the merge kernel reads them."""
+                        sL: cute.Tensor, partials: cute.Pointer, part_o_ptr: cute.Pointer,
+                        part_l_ptr: cute.Pointer, v_scale: Float32, tidx: Int32, kp: Int32, cg: Int32, b: Int32,
+                        h: Int32, split: Int32):
+        """The split's epilogue: the key parts of P V added up (in `partials`, the ring reused), each row
+        normalized by its sum, and its partial output and log2-sum-exp written where the merge kernel reads
+        them."""
         warp = tidx // 32
         lane = tidx % 32
         THREADS = const_expr(self.threads)
@@ -443,8 +444,7 @@ class SplitKernel:
                 if lane == 0:
                     sM[r] = m_run[i]
                     sL[r] = l_run[i]
-        red = cute.make_tensor(cute.recast_ptr(sK.iterator, dtype=Float32),
-                               cute.make_layout((KP, R, D), stride=(R * D, D, 1)))
+        red = cute.make_tensor(partials, cute.make_layout((KP, R, D), stride=(R * D, D, 1)))
         for r in cutlass.range_constexpr(R):
             for c in cutlass.range_constexpr(CPT):
                 red[kp, r, cg * CPT + c] = acc[r, c]

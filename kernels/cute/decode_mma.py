@@ -68,6 +68,7 @@ class MmaSplitKernel(SplitKernel):
         window_left: Int32, sm_scale: Float32, softcap: Float32, cap: Int32, num_pages: Int32, tma_k, m_k, tma_v,
         m_v,
     ):
+        storage = cutlass.utils.SmemAllocator().allocate(self.storage)  # kernels/cute/storage.py: mma_storage
         tidx, _, _ = cute.arch.thread_idx()
         split, h, b = cute.arch.block_idx()
         warp = tidx // 32
@@ -88,16 +89,15 @@ class MmaSplitKernel(SplitKernel):
         BF = const_expr(self.bf16_ops)
 
         # ---- shared memory: the K/V ring (later: the warps' partial outputs), the warps' row stats ----
-        smem = cutlass.utils.SmemAllocator()
-        ring_raw, sK, sV, tiles = self._ring(smem, tidx, tma_k, m_k, tma_v, m_v)
+        ring_raw, sK, sV, tiles = self._ring(storage, tidx, tma_k, m_k, tma_v, m_v)
         if const_expr(self.fp8):
             k16 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint16), cute.make_layout((1 << 24,)))
             v8 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint8), cute.make_layout((1 << 24,)))
         else:
             k32 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint32), cute.make_layout((1 << 24,)))
             v16 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint16), cute.make_layout((1 << 24,)))
-        sM = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16), stride=(16, 1)), byte_alignment=16)
-        sL = smem.allocate_tensor(Float32, cute.make_layout((WARPS, 16), stride=(16, 1)), byte_alignment=16)
+        sM = storage.row_max.get_tensor(cute.make_layout((WARPS, 16), stride=(16, 1)))
+        sL = storage.row_sum.get_tensor(cute.make_layout((WARPS, 16), stride=(16, 1)))
 
         # ---- the split's key range, from the live length (device-side) ----
         length, start, s_lo, s_hi, n_tiles = self._split_range(seqlens_ptr, kv_start_ptr, has_kv_start, window_left,
@@ -228,14 +228,16 @@ class MmaSplitKernel(SplitKernel):
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
 
-        self._merge_warps(acc, m_run, l_run, sM, sL, ring_raw, part_o_ptr, part_l_ptr, v_scale, tidx, b, h, split)
+        self._merge_warps(acc, m_run, l_run, sM, sL, storage.ring.partials.data_ptr(), part_o_ptr, part_l_ptr,
+                          v_scale, tidx, b, h, split)
 
     @cute.jit
     def _merge_warps(self, acc: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, sM: cute.Tensor,
-                     sL: cute.Tensor, ring_raw: cute.Pointer, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
+                     sL: cute.Tensor, partials: cute.Pointer, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
                      v_scale: Float32, tidx: Int32, b: Int32, h: Int32, split: Int32):
         """The split's epilogue: the warps' row stats and partial outputs merged through shared memory (the
-        K/V ring, reused), each row normalized, and the split's partials written for the merge kernel."""
+        partial outputs in `partials`, the K/V ring reused), each row normalized, and the split's partials
+        written for the merge kernel."""
         warp = tidx // 32
         lane = tidx % 32
         gq = lane // 4
@@ -252,8 +254,7 @@ class MmaSplitKernel(SplitKernel):
             if tq == 0:
                 sM[warp, gq + 8 * i] = m_run[i]
                 sL[warp, gq + 8 * i] = l_tot
-        red = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Float32),
-                               cute.make_layout((WARPS, 16, D), stride=(16 * D, D, 1)))
+        red = cute.make_tensor(partials, cute.make_layout((WARPS, 16, D), stride=(16 * D, D, 1)))
         for nt in cutlass.range_constexpr(NTILES):
             for c in cutlass.range_constexpr(4):
                 red[warp, gq + 8 * (c // 2), nt * 8 + 2 * tq + c % 2] = acc[nt, c]

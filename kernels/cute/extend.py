@@ -81,7 +81,7 @@ class ExtendKernel:
         self.causal, self.use_window, self.use_softcap = causal, use_window, use_softcap
         geo = extend_geometry(d=d, tile_n=tile_n, stages=stages)
         assert geo is not None, "the plan's tile does not fit this kernel (kernels/cute/__init__.py: extend_geometry)"
-        self.__dict__.update(geo)
+        self.__dict__.update(geo)  # with `storage`, the kernel's shared memory (kernels/cute/storage.py)
         self.tiles = (-(-s // BLOCK_M) + batch) if packed else batch * -(-s // BLOCK_M)
         self.box = tma_box(page=page, tile_n=tile_n)
 
@@ -162,6 +162,7 @@ class ExtendKernel:
         window_left: Int32, sm_scale: Float32, softcap: Float32, cap: Int32, num_pages: Int32,
         tma_k: cute.CopyAtom, m_k: cute.Tensor, tma_v: cute.CopyAtom, m_v: cute.Tensor,
     ):
+        storage = cutlass.utils.SmemAllocator().allocate(self.storage)  # kernels/cute/storage.py: extend_storage
         tidx, _, _ = cute.arch.thread_idx()
         hq, t, _ = cute.arch.block_idx()
         wg = tidx // 128
@@ -173,11 +174,9 @@ class ExtendKernel:
         h = hq // self.g
 
         # ---- shared memory: Q, the K and V rings (swizzled, 1024-aligned), the stage mbarriers ----
-        smem = cutlass.utils.SmemAllocator()
-        raw = smem.allocate(self.q_bytes + 2 * NS * self.kv_bytes, byte_alignment=1024)
-        mbar = smem.allocate_array(Int64, 3 * NS)  # K full, V full, empty: full_barrier, empty_barrier
-        base = cute.recast_ptr(raw, dtype=dt)
-        q_elems = const_expr(BLOCK_M * D)
+        mbar = storage.mbar.data_ptr()  # K full, V full, empty: full_barrier, empty_barrier
+        q_tile = cute.recast_ptr(storage.q.data_ptr(), dtype=dt)
+        ring = cute.recast_ptr(storage.kv.data_ptr(), dtype=dt)  # NS K tiles, then NS V tiles
         kv_elems = const_expr(BN * D)
 
         def chunks_view(ptr, rows, stages):  # (stage, slab, row // 8, row % 8, chunk position, 8 elements)
@@ -185,18 +184,18 @@ class ExtendKernel:
                 (stages, SLABS, rows // 8, 8, 8, 8),
                 stride=(rows * D, rows * 64, 512, 64, 8, 1)))
 
-        wQ = chunks_view(base, BLOCK_M, 1)
-        wK = chunks_view(base + q_elems, BN, NS)
-        wV = chunks_view(base + q_elems + NS * kv_elems, BN, NS)
+        wQ = chunks_view(q_tile, BLOCK_M, 1)
+        wK = chunks_view(ring, BN, NS)
+        wV = chunks_view(ring + NS * kv_elems, BN, NS)
 
         mma_qk = self._mma_qk()
         mma_pv = self._mma_pv()
         lq = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, BN, D), dt, 1)
         lk = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, BN, D), dt, NS)
         lv = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BLOCK_M, D, BN), dt, NS)
-        sQ = cute.make_tensor(cute.recast_ptr(base, lq.inner, dtype=dt), lq.outer)
-        sK = cute.make_tensor(cute.recast_ptr(base + q_elems, lk.inner, dtype=dt), lk.outer)
-        sV = cute.make_tensor(cute.recast_ptr(base + q_elems + NS * kv_elems, lv.inner, dtype=dt), lv.outer)
+        sQ = cute.make_tensor(cute.recast_ptr(q_tile, lq.inner, dtype=dt), lq.outer)
+        sK = cute.make_tensor(cute.recast_ptr(ring, lk.inner, dtype=dt), lk.outer)
+        sV = cute.make_tensor(cute.recast_ptr(ring + NS * kv_elems, lv.inner, dtype=dt), lv.outer)
 
         if tidx == 0:
             for i in cutlass.range_constexpr(NS):
@@ -244,7 +243,7 @@ class ExtendKernel:
             if wg == 0:
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 self._produce(tidx, b, h, lo, hi, length, n_tiles, k_ptr, v_ptr, pt_ptr, k_sp, k_so, k_sh, v_sp,
-                              v_so, v_sh, pt_sb, num_pages, wK, wV, mbar, base + q_elems, tma_k, m_k, tma_v, m_v)
+                              v_so, v_sh, pt_sb, num_pages, wK, wV, mbar, ring, tma_k, m_k, tma_v, m_v)
             else:
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
                 ctid = tidx - 128

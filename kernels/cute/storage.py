@@ -1,0 +1,94 @@
+"""The shared memory of the CuTe DSL kernels, one `cute.struct` per kernel: each kernel allocates its struct
+whole (`SmemAllocator().allocate(storage)`), and the host reads the byte count it checks against SMEM_LIMIT
+and launches with from the same struct (`size_in_bytes()`, geometry functions in __init__.py), so the layout
+the kernel uses and the size it is given are one declaration.
+
+Field sizes follow a kernel's compile-time constants, so each struct is declared by a function of them (one
+class per configuration, cached). Fields are laid out in declaration order, each at the next multiple of its
+alignment: 1024 bytes for the swizzled K/V rings and tiles (TMA boxes and wgmma operands start on a
+1024-byte boundary), 16 for the fp32 tensors, 8 (natural) for the mbarriers; the struct's size is rounded up
+to its largest alignment. The dynamic shared memory it is allocated in starts on 1024 bytes (the DSL declares
+it `.align 1024`).
+
+No `from __future__ import annotations` in this module: cute.struct reads the field types from the class
+annotations, which must therefore be evaluated. A field cannot share its name with a variable its
+annotations read (the class body would look that name up in the class, not in the enclosing function).
+"""
+
+import functools
+
+import cutlass.cute as cute
+from cutlass import Float32, Int64, Uint8, Uint16
+
+MemRange = cute.struct.MemRange
+Align = cute.struct.Align
+
+
+def _split_ring(*, d: int, kv_bits: int, tile_n: int, stages: int, partial_elems: int):
+    """The split kernels' K/V ring: `stages` K tiles then `stages` V tiles of tile_n x d kv_bits-wide elements
+    (viewed in the cache's dtype by the kernel), and after the last tile the same bytes reused for
+    `partial_elems` fp32 values of the epilogue's reduction."""
+
+    @cute.union
+    class Ring:
+        kv: MemRange[{8: Uint8, 16: Uint16}[kv_bits], 2 * stages * tile_n * d]
+        partials: MemRange[Float32, partial_elems]
+
+    return Ring
+
+
+@functools.cache
+def split_storage(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, parts: int, key_parts: int,
+                  tma: bool):
+    """decode.py's shared memory: the ring (its reduction: the key_parts P V partial sums of the rows), with
+    TMA one mbarrier per stage, q in fp32, the scores of the head-dim parts, P, and per row alpha, the running
+    max and the sum."""
+    ring_type = _split_ring(d=d, kv_bits=kv_bits, tile_n=tile_n, stages=stages, partial_elems=key_parts * rows * d)
+
+    @cute.struct
+    class SharedStorage:
+        ring: Align[ring_type, 1024]
+        if tma:
+            mbar: MemRange[Int64, stages]
+        q: Align[MemRange[Float32, rows * d], 16]
+        scores: Align[MemRange[Float32, parts * rows * tile_n], 16]
+        p: Align[MemRange[Float32, tile_n * rows], 16]
+        alpha: Align[MemRange[Float32, rows], 16]
+        row_max: Align[MemRange[Float32, rows], 16]
+        row_sum: Align[MemRange[Float32, rows], 16]
+
+    return SharedStorage
+
+
+@functools.cache
+def mma_storage(*, d: int, kv_bits: int, tile_n: int, stages: int, warps: int, tma: bool):
+    """decode_mma.py's shared memory: the ring (its reduction: each warp's 16 x d partial output), with TMA
+    one mbarrier per stage, and each warp's 16 row maxima and sums."""
+    ring_type = _split_ring(d=d, kv_bits=kv_bits, tile_n=tile_n, stages=stages, partial_elems=warps * 16 * d)
+
+    @cute.struct
+    class SharedStorage:
+        ring: Align[ring_type, 1024]
+        if tma:
+            mbar: MemRange[Int64, stages]
+        row_max: Align[MemRange[Float32, warps * 16], 16]
+        row_sum: Align[MemRange[Float32, warps * 16], 16]
+
+    return SharedStorage
+
+
+@functools.cache
+def extend_storage(*, block_m: int, d: int, tile_n: int, stages: int):
+    """extend.py's shared memory: the Q tile (block_m x d), the ring of `stages` K tiles then `stages`
+    V tiles (tile_n x d), all 16-bit (viewed in q's dtype by the kernel), and 3 x stages mbarriers (K full,
+    V full, empty: common.full_barrier, empty_barrier). Every tile starts on 1024 bytes (tile_n * d * 2 is a
+    multiple of 1024: tile_n % 16 == 0, d % 64 == 0)."""
+    assert tile_n * d * 2 % 1024 == 0, (tile_n, d)
+
+    @cute.struct
+    class SharedStorage:
+        q: Align[MemRange[Uint16, block_m * d], 1024]
+        kv: Align[MemRange[Uint16, 2 * stages * tile_n * d], 1024]
+        mbar: MemRange[Int64, 3 * stages]
+
+    return SharedStorage
