@@ -171,3 +171,36 @@ def test_cudagraph_counter_counts_and_restores(monkeypatch):
     with bench.CudagraphCounter(torch.device("cpu")) as cpu:
         pass
     assert (cpu.records, cpu.warmups) == (None, None)
+
+
+def test_substituted_column_compiles_its_own_graph():
+    """sdpa+enable (attn_implementation="sdpa" under the substitution) and sdpa share the model and an equal
+    compile config but for the backend: each gets its own decode graph (the pass is no Dynamo guard), the
+    substituted one reports a substitution per layer, and switching back compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    model = bench.build_model(bench.TINY, torch.device("cpu"), torch.float32)
+    ids = torch.randint(1, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    cpu = torch.device("cpu")
+    runners = {impl: bench.Runner(model, impl, 2, 32, cpu) for impl in ("sdpa", bench.SUBSTITUTED)}
+    assert bench.attn_name(bench.SUBSTITUTED) == "sdpa"
+    backend = runners[bench.SUBSTITUTED].config.backend
+    assert isinstance(backend, bench.SubstitutingInductor) and runners[bench.SUBSTITUTED].config.mode is None
+    assert runners["sdpa"].config.backend == "inductor"
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        for impl in ("sdpa", bench.SUBSTITUTED, "sdpa", bench.SUBSTITUTED):
+            runners[impl](ids, 3)
+    torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    decisions = backend.decisions
+    assert decisions and len(decisions) == model.config.num_hidden_layers, decisions
+    assert all(d.startswith("substituted") for d in decisions), decisions
+
+
+def test_substituted_column_options_and_refusal():
+    args = bench.parse_args(["--tiny", "--substituted"])
+    assert args.substituted and not bench.parse_args(["--tiny"]).substituted
+    with pytest.raises(SystemExit, match="sdpa\\+enable runs attn_implementation=\"sdpa\", which gpt-oss refuses"):
+        bench.run_model(bench.parse_args(["--tiny", "--model", "gpt-oss", "--substituted"]), "gpt-oss")

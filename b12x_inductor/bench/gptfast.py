@@ -2,14 +2,22 @@
 `python -m b12x_inductor.bench gptfast [options]`.
 
 A gpt-fast-style decoder (KV caches as module buffers [B, Hkv, max_seq_len, D] written at input_pos,
-repeat_interleave GQA, the mask built from input_pos; Llama-3-8B layer shapes, --layers of them, random
-bf16 weights) decodes one token per step with `torch.compile(mode="reduce-overhead", fullgraph=True)`.
-Run twice from the same weights and caches: the pass off (SDPA over the whole max_seq_len buffer) and on
-(b12x.paged_attention over the live keys only). Both start at --live filled positions; tokens/s =
-batch x steps / wall time. The first step's logits of the two runs are compared.
+repeat_interleave GQA; Llama-3-8B layer shapes, --layers of them, random bf16 weights) decodes one token per
+step with `torch.compile(mode="reduce-overhead", fullgraph=True)`. Run twice from the same weights and
+caches: the pass off (SDPA over the whole max_seq_len buffer) and on (b12x.paged_attention). Both start at
+--live filled positions; tokens/s = batch x steps / wall time. The first step's logits of the two runs are
+compared.
 
-Options: --tiny (CPU, fp32, small shapes: a dry run of the harness), --out PATH (JSON), --layers N,
---batch B, --max-seq-len L, --live N, --steps N.
+--mask picks the mask (recorded in the JSON):
+- published (the default): gpt-fast's own, `mask = self.causal_mask[None, None, input_pos]`, a bool
+  [max_seq_len, max_seq_len] tril tensor kept on the model as a plain attribute (gpt-fast's model.py,
+  `setup_caches`, in its SDPA version). Its values are unknown to the compile: the pass hands the mask to
+  the op (key_mask), which reads it.
+- rewritten: the mask built from the positions, `arange(max_seq_len) <= input_pos[:, None]`, which the
+  pass proves causal (the op then reads only the live keys, no mask).
+
+Options: --tiny (CPU, fp32, small shapes: a dry run of the harness), --out PATH (JSON), --mask
+published|rewritten, --layers N, --batch B, --max-seq-len L, --live N, --steps N.
 """
 
 from __future__ import annotations
@@ -25,9 +33,12 @@ import torch.nn.functional as F
 import b12x_inductor
 
 FULL = dict(vocab=32000, dim=4096, heads=32, kv_heads=8, head_dim=128, hidden=14336, layers=4, batch=8,
-            max_seq_len=4096, live=1024, steps=64, dtype=torch.bfloat16, device="cuda", mode="reduce-overhead")
+            max_seq_len=4096, live=1024, steps=64, dtype=torch.bfloat16, device="cuda", mode="reduce-overhead",
+            mask="published")
 TINY = dict(vocab=256, dim=256, heads=4, kv_heads=2, head_dim=64, hidden=512, layers=2, batch=2,
-            max_seq_len=128, live=32, steps=4, dtype=torch.float32, device="cpu", mode=None)
+            max_seq_len=128, live=32, steps=4, dtype=torch.float32, device="cpu", mode=None, mask="published")
+MASKS = ("published", "rewritten")
+MASK_TEXT = {"published": "causal_mask[None, None, input_pos]", "rewritten": "arange(L) <= input_pos"}
 
 
 class Attention(nn.Module):
@@ -70,15 +81,20 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.max_seq_len = c["max_seq_len"]
+        self.max_seq_len, self.mask_form = c["max_seq_len"], c["mask"]
         self.embed = nn.Embedding(c["vocab"], c["dim"])
         self.layers = nn.ModuleList(Block(c) for _ in range(c["layers"]))
         self.norm = nn.RMSNorm(c["dim"])
         self.output = nn.Linear(c["dim"], c["vocab"], bias=False)
+        # gpt-fast's setup_caches: a plain attribute (not a buffer), a graph input under torch.compile
+        self.causal_mask = torch.tril(torch.ones(self.max_seq_len, self.max_seq_len, dtype=torch.bool))
 
     def forward(self, idx, input_pos):
-        keys = torch.arange(self.max_seq_len, device=idx.device)
-        mask = keys[None, None, None, :] <= input_pos[None, None, :, None]
+        if self.mask_form == "published":
+            mask = self.causal_mask[None, None, input_pos]
+        else:
+            keys = torch.arange(self.max_seq_len, device=idx.device)
+            mask = keys[None, None, None, :] <= input_pos[None, None, :, None]
         x = self.embed(idx)
         for layer in self.layers:
             x = layer(x, mask, input_pos)
@@ -129,6 +145,8 @@ def main(argv) -> None:
     parser = argparse.ArgumentParser(prog="python -m b12x_inductor.bench gptfast")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out")
+    parser.add_argument("--mask", choices=MASKS, help="published (default): gpt-fast's causal_mask[None, None, "
+                        "input_pos]; rewritten: arange(max_seq_len) <= input_pos[:, None]")
     for name in ("layers", "batch", "max_seq_len", "live", "steps"):
         parser.add_argument("--" + name.replace("_", "-"), type=int)
     args = parser.parse_args(argv)
@@ -143,7 +161,8 @@ def main(argv) -> None:
     speedup = on["tokens_per_s"] / off["tokens_per_s"]
     print(f"\ngpt-fast-style decode: {c['layers']} layers dim {c['dim']}, Hq={c['heads']} Hkv={c['kv_heads']} "
           f"D={c['head_dim']}, batch {c['batch']}, max_seq_len {c['max_seq_len']}, live {c['live']}, "
-          f"{str(c['dtype']).split('.')[-1]}, {c['device']}, mode={c['mode']}\n")
+          f"{str(c['dtype']).split('.')[-1]}, {c['device']}, mode={c['mode']}, mask {c['mask']} "
+          f"({MASK_TEXT[c['mask']]})\n")
     print("| attention | substituted calls | tokens/s | ms/step | compile+warm-up s |")
     print("|---|---|---|---|---|")
     for r, name in ((off, "SDPA (pass off)"), (on, "b12x (pass on)")):
@@ -155,5 +174,5 @@ def main(argv) -> None:
     if args.out:
         config = {k: str(v) if isinstance(v, torch.dtype) else v for k, v in c.items()}
         with open(args.out, "w") as f:
-            json.dump(dict(config=config, off=off, on=on, speedup=speedup, logits_max_abs_diff=diff,
-                           torch=torch.__version__), f, indent=2)
+            json.dump(dict(config=config, mask=c["mask"], off=off, on=on, speedup=speedup,
+                           logits_max_abs_diff=diff, torch=torch.__version__), f, indent=2)

@@ -23,7 +23,16 @@ than in the full models, which lowers every ratio.
 All columns use generate's compiled decode step with fullgraph CUDA graphs (`mode="reduce-overhead"`) and
 transformers' static cache of max_cache_len 4096 (`cache_implementation="static"`): b12x reads its buffers in
 place and attends to the live keys only, SDPA and eager read whole buffers under a mask. `--paged` adds a
-column: b12x with a `B12xCache` (page size 64). The llama model compiles with `CompileConfig(fullgraph=True,
+column: b12x with a `B12xCache` (page size 64). `--substituted` adds a column "sdpa+enable": the model with
+attn_implementation="sdpa" exactly as the sdpa column, its decode step compiled under
+`b12x_inductor.substituting()` (what `b12x_inductor.enable()` does to a user's compile), so the automatic
+substitution replaces SDPA by b12x.paged_attention where it can (the padding mask generate passes is read by
+the kernel as key_mask); the JSON gives per row its decisions (`substituted` of `decisions`). `--peer
+sdpa+enable` makes it the reference column instead. The pass is no Dynamo guard: under the same compile config
+this column would reuse the sdpa column's graph (or the other way round), so its config names a backend of
+its own, `SubstitutingInductor` (Inductor with the config patches of the column's mode, compiling under
+`b12x_inductor.substituting()`), which Dynamo keeps apart from plain Inductor's graphs. Not for gpt-oss,
+which refuses sdpa. The llama model compiles with `CompileConfig(fullgraph=True,
 mode="reduce-overhead")`. The sliding-window models compile with `dynamic=None` (automatic dynamic), whatever
 the attention: transformers 5.24's `StaticSlidingWindowLayer` keeps its length in a Python int
 (`cumulative_length_int`) that changes every step, so `dynamic=False` recompiles every step until the
@@ -154,16 +163,18 @@ def build_model(config_kwargs: dict, device: torch.device, dtype: torch.dtype, s
     return model
 
 
-def compile_config(device: torch.device, sliding: bool = False):
+def compile_config(device: torch.device, sliding: bool = False, substituting: bool = False):
     """generate's compile config: fullgraph, reduce-overhead on CUDA (default mode on CPU); `sliding` adds
-    dynamic=None (automatic dynamic, see the module docstring)."""
+    dynamic=None (automatic dynamic, see the module docstring); `substituting`: the mode's Inductor under the
+    substitution, as the backend `SubstitutingInductor` (the sdpa+enable column)."""
     from transformers.generation.configuration_utils import CompileConfig
 
     kw = dict(dynamic=None) if sliding else {}
-    if device.type == "cuda":
-        return CompileConfig(fullgraph=True, mode="reduce-overhead", **kw)
-    config = CompileConfig(fullgraph=True, mode="default", **kw)
-    config._compile_all_devices = True  # generate auto-compiles on CUDA only, unless told
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead" if device.type == "cuda" else "default", **kw)
+    if substituting:
+        config.backend, config.mode = SubstitutingInductor(config.mode, config.dynamic), None
+    if device.type != "cuda":
+        config._compile_all_devices = True  # generate auto-compiles on CUDA only, unless told
     return config
 
 
@@ -200,9 +211,42 @@ def register_chunked_eager(score_bytes: int = EAGER_SCORE_BYTES) -> str:
     return EAGER_NAME
 
 
+SUBSTITUTED = "sdpa+enable"  # attn_implementation="sdpa", generate compiled under b12x_inductor.substituting()
+
+
 def attn_name(impl: str) -> str:
-    """The attn_implementation a column runs: "b12x" for b12x and b12x-paged, EAGER_NAME for eager."""
-    return {"b12x": "b12x", "b12x-paged": "b12x", "eager": EAGER_NAME}.get(impl, impl)
+    """The attn_implementation a column runs: "b12x" for b12x and b12x-paged, EAGER_NAME for eager, "sdpa" for
+    sdpa+enable."""
+    return {"b12x": "b12x", "b12x-paged": "b12x", "eager": EAGER_NAME, SUBSTITUTED: "sdpa"}.get(impl, impl)
+
+
+class SubstitutingInductor:
+    """torch.compile backend of the sdpa+enable column: Inductor with the config patches of `mode` (as
+    torch.compile(mode=...) applies them), compiling under `b12x_inductor.substituting()`. A backend of its own
+    makes Dynamo keep its graphs apart from plain Inductor's (the pass is no guard). transformers deep-copies
+    compile configs: a copy is this object, so configs stay equal and the compiled call is reused.
+    `decisions`: those of the last graph it compiled that had attention calls."""
+
+    def __init__(self, mode: str | None, dynamic: bool | None):
+        import torch._inductor
+
+        self.options = dict(torch._inductor.list_mode_options(mode, dynamic)) if mode else {}
+        self.decisions: list[str] | None = None
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, gm, example_inputs):
+        import b12x_inductor
+        from torch._inductor.compile_fx import compile_fx
+
+        before = b12x_inductor.last_decisions()
+        with b12x_inductor.substituting(True):
+            compiled = compile_fx(gm, example_inputs, config_patches=self.options)
+        after = b12x_inductor.last_decisions()
+        if after is not before:  # not when the graph came from the FX graph cache
+            self.decisions = [str(d) for d in after]
+        return compiled
 
 
 class CudagraphCounter:
@@ -249,7 +293,8 @@ class Runner:
 
         self.model, self.impl, self.device = model, impl, device
         # equal configs: one compile
-        self.kwargs = dict(compile_config=compile_config(device, sliding), do_sample=False)
+        self.config = compile_config(device, sliding, substituting=impl == SUBSTITUTED)
+        self.kwargs = dict(compile_config=self.config, do_sample=False)
         self.paged = None
         if impl == "b12x-paged":
             self.paged = hf.B12xCache(model.config, max_batch_size=batch, max_cache_len=max_cache_len,
@@ -271,14 +316,17 @@ class Runner:
                 times.append(time.perf_counter())
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
+        import b12x_inductor
+
         self.model.set_attn_implementation(attn_name(self.impl))
         if self.paged is not None:
             self.paged.reset()
         _sync(device)
         times = [time.perf_counter()]
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, stopping_criteria=StoppingCriteriaList([Clock()]),
-                                  **self.kwargs)
+        with b12x_inductor.substituting(self.impl == SUBSTITUTED):  # off for every other column
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, stopping_criteria=StoppingCriteriaList([Clock()]),
+                                      **self.kwargs)
         assert out.shape[1] == ids.shape[1] + new_tokens and len(times) == new_tokens + 1, (out.shape, len(times))
         return times
 
@@ -310,6 +358,11 @@ def decode_tokens_per_s(runner: Runner, ids: torch.Tensor, new_tokens: int, repe
     prefill = statistics.median(t[1] - t[0] for t in calls)
     out = dict(tokens_per_s=ids.shape[0] * steps / decode, ms_per_step=1e3 * decode / steps,
                prefill_s=prefill, decode_s=decode)
+    if runner.impl == SUBSTITUTED:
+        decisions = runner.config.backend.decisions or []
+        out.update(decisions=decisions, substituted=sum(d.startswith("substituted:") for d in decisions))
+        if not decisions:
+            log(f"  warning: {SUBSTITUTED}: no decisions recorded (its graph came from the FX graph cache?)")
     if timed.records is not None:
         out.update(cudagraph_records=timed.records, cudagraph_warmups=timed.warmups,
                    warmup_cudagraph_records=warm.records)
@@ -337,7 +390,13 @@ def run_model(args, name: str) -> dict:
     for limit in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, limit):
             setattr(torch._dynamo.config, limit, 64)
-    impls = [peer, "b12x"] + (["b12x-paged"] if args.paged else [])
+    impls = [peer, "b12x"] + (["b12x-paged"] if args.paged else []) \
+        + ([SUBSTITUTED] if args.substituted and peer != SUBSTITUTED else [])
+    if SUBSTITUTED in impls:
+        try:
+            model.set_attn_implementation("sdpa")
+        except (ValueError, ImportError) as e:
+            raise SystemExit(f"bench hf: {SUBSTITUTED} runs attn_implementation=\"sdpa\", which {name} refuses: {e}")
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch in args.batches:
@@ -452,8 +511,10 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--max-cache-len", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peer", default=None, help="the attention implementation to compare with (default: sdpa "
-                    "for llama and gemma3, eager for gpt-oss)")
+                    f"for llama and gemma3, eager for gpt-oss; {SUBSTITUTED}: sdpa under the substitution)")
     ap.add_argument("--paged", action="store_true", help="also time b12x with a B12xCache")
+    ap.add_argument("--substituted", action="store_true", help=f"also time {SUBSTITUTED}: attn_implementation="
+                    "\"sdpa\" compiled under b12x_inductor.substituting() (the automatic substitution)")
     ap.add_argument("--quick", action="store_true", help="batch 8 only, 32 new tokens, 2 repeats")
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 models on CPU: checks the harness only")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge the rows of earlier runs into --out and "
