@@ -42,6 +42,7 @@ for part in $parts; do
         --report-api-errors no --target-processes all --print-limit 20 python3 -m pytest -q -p no:cacheprovider -m gpu -x $kernel_tests \
         ${SANITIZE_K:+-k "$SANITIZE_K"} 2>&1 | tee "$out/gpu-sanitizer.log" | tail -30 ;;
     kernels) python3 -m b12x_inductor.bench --out "$out/kernels.json" 2>&1 | tee "$out/bench-kernels.log" ;;
+    gptfast) python3 -m b12x_inductor.bench gptfast --out "$out/gptfast.json" 2>&1 | tee "$out/bench-gptfast.log" ;;
     *) python3 -m b12x_inductor.bench "$part" --quick --out "$out/$part.json" 2>&1 | tee "$out/bench-$part.log" ;;
   esac
 done

@@ -120,20 +120,22 @@ def _cute_ready():
 needs_cute = pytest.mark.skipif(not _cute_ready(), reason="needs CUDA and nvidia-cutlass-dsl")
 
 def _cute_case(kw):
-    """Whether a Triton decode/verify GPU case is one the CuTe family expresses (D 64/128/256, <= 16 rows)."""
+    """Whether a Triton decode/verify GPU case is one the CuTe family expresses (D 64/128/256, <= 16 rows, no
+    key mask)."""
     from b12x_inductor.kernels.cute import DECODE_HEAD_DIMS as HEAD_DIMS, MAX_ROWS
 
     q_len = kw.get("q_len", 1)
     return (not kw.get("packed") and q_len <= 16 and kw["d"] in HEAD_DIMS
-            and q_len * kw["hq"] // kw["hkv"] <= MAX_ROWS)
+            and q_len * kw["hq"] // kw["hkv"] <= MAX_ROWS and not kw.get("key_mask"))
 
 
 def _cute_extend_case(kw):
-    """Whether a Triton extend GPU case is one the CuTe family expresses (D 64/128, the cache in q's dtype)."""
+    """Whether a Triton extend GPU case is one the CuTe family expresses (D 64/128, the cache in q's dtype, no
+    key mask)."""
     from b12x_inductor.kernels.cute import EXTEND_HEAD_DIMS
 
     return ((kw.get("packed") or kw.get("q_len", 1) > 16) and kw["d"] in EXTEND_HEAD_DIMS
-            and kw.get("kv_dtype") in (None, kw.get("dtype", torch.bfloat16)))
+            and kw.get("kv_dtype") in (None, kw.get("dtype", torch.bfloat16)) and not kw.get("key_mask"))
 
 
 # (name, make_inputs kwargs, options): the Triton family's decode/verify cases the CuTe family expresses, and
