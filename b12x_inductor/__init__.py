@@ -46,10 +46,15 @@ def paged_attention(
 
     Args:
         q: [B, S, Hq, D] (S new tokens for each of B requests) or packed [T, Hq, D] with cu_seqlens_q;
-            bf16 or fp16 (fp32 too on CPU); D in 64, 96, 128, 192, 256; last dim contiguous.
+            bf16 or fp16 (fp32 too on CPU); D in 64, 96, 128, 192, 256 (or 576, MLA's, with Dv 512); last dim
+            contiguous.
         k_cache, v_cache: kv_layout "NHD": [num_pages, page_size, Hkv, D]; "HND": [num_pages, Hkv,
-            page_size, D]; q's dtype, or float8_e4m3fn under bf16/fp16 q; any strides with D contiguous
-            (views of a combined [num_pages, 2, ...] cache work). Hq must be divisible by Hkv.
+            page_size, D]; q's dtype, or float8_e4m3fn under bf16/fp16 q; any strides with the head dim
+            contiguous (views of a combined [num_pages, 2, ...] cache work). Hq must be divisible by Hkv.
+            v_cache's last dim is the value head dim Dv, which may differ from D (every other dim as
+            k_cache's): Dv in 64, 96, 128, 192, 256, 512 (plan.py's table; D = 576 takes Dv = 512 only).
+            MLA: D = 192, Dv = 128 (DeepSeek-V3 non-absorbed), or D = 576, Dv = 512 with v_cache a view of
+            k_cache's first 512 values (absorbed; `mla_attention` builds that call).
         page_table: int32 [B, max_pages]; request b's j-th page is page_table[b, j].
         cache_seqlens: int32 [B]; keys in the cache for request b, its new tokens included (written first,
             e.g. with `write_kv`). Its S_b new queries are the last S_b positions.
@@ -66,11 +71,12 @@ def paged_attention(
             key_mask[b, i, j] (or [b, 0, j]) is True, on top of the range, causal and window rules: an
             attention mask whose values only the device knows (a padding mask), read by the kernel.
         return_lse: also return lse, float32 [B, S, Hq] or [T, Hq], natural log, sink included.
-        out: optional contiguous output of q's shape and dtype, written in place.
+        out: optional contiguous output of q's shape with Dv as its last dim ([B, S, Hq, Dv] or [T, Hq, Dv])
+            and q's dtype, written in place.
 
     Returns:
-        out (q's shape and dtype), or (out, lse) with return_lse. A query with no visible key gets
-        zeros and lse = -inf.
+        out ([B, S, Hq, Dv] or [T, Hq, Dv], q's dtype), or (out, lse) with return_lse. A query with no
+        visible key gets zeros and lse = -inf.
 
     Bad shapes, dtypes, devices, strides or options raise ValueError / TypeError naming the argument
     (options must be of their Python type: causal a bool, scale a float or int, not a tensor). There is no

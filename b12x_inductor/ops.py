@@ -77,8 +77,8 @@ def _eager(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *,
         q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_layout=kv_layout, causal=causal,
         scale=scale, window_left=window_left, kv_start=kv_start, sinks=sinks, softcap=softcap,
         k_descale=k_descale, v_descale=v_descale, key_mask=key_mask, out=out)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:  # q's shape with the value head dim
+        out = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=q.dtype, device=q.device)
     lse = _run_plan(plan_for(problem), q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
                     kv_start, sinks, k_descale, v_descale, key_mask, out,
                     Options.of(q.shape[-1], kv_layout=kv_layout, causal=causal, scale=scale,
@@ -108,7 +108,7 @@ def _fake_check(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, ou
 @torch.library.register_fake("b12x::paged_attention")
 def _paged_attention_fake(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, **kw):
     _fake_check(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, **kw)
-    out = q.new_empty(q.shape)  # contiguous
+    out = q.new_empty(q.shape[:-1] + (v_cache.shape[-1],))  # contiguous; q's shape with the value head dim
     return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 

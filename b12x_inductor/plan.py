@@ -4,7 +4,7 @@ This is the only place that decides how a call runs. The eager op and the Induct
 `Problem` (shapes, dtypes, layout, page size, device) and ask `select_plan`; the lowering writes the
 returned plan's constants into the generated code as literal arguments of the plan's entry op.
 
-Modes, from static shapes alone:
+Modes, from static shapes alone (D: q's and k's head dim; v and out have Dv, which may differ):
 - decode:  q [B, 1, Hq, D]
 - verify:  q [B, S, Hq, D] with 2 <= S <= 16 (speculative-decoding drafts checked in one pass)
 - extend:  q [B, S, Hq, D] with S > 16, or packed q [T, Hq, D] with cu_seqlens_q (T is a capacity: the
@@ -22,12 +22,27 @@ import torch
 # The one table of what the op takes (validate.py checks it; every family's `supports` and the substitution
 # pass read it from here).
 MAX_VERIFY_LEN = 16
+# Head dims. q and k share the head dim D, v (and out) have the value head dim Dv:
+#   D  (q, k)                 Dv (v, out)
+#   64, 96, 128, 192, 256     64, 96, 128, 192, 256, 512   (any pair: Dv == D is plain GQA; DeepSeek-V3's
+#                                                          non-absorbed MLA is D = 192, Dv = 128)
+#   576                       512 only                     (absorbed MLA, DeepSeek-V3 / Kimi: k is the
+#                                                          512-dim latent + 64-dim rope key, v the latent)
 HEAD_DIMS = (64, 96, 128, 192, 256)
+V_HEAD_DIMS = (64, 96, 128, 192, 256, 512)
+MLA_HEAD_DIMS = {576: 512}  # D outside HEAD_DIMS -> the one Dv it pairs with
 FP8 = torch.float8_e4m3fn
 Q_DTYPES_CUDA = (torch.bfloat16, torch.float16)
 Q_DTYPES_CPU = (torch.bfloat16, torch.float16, torch.float32)
 MODES = ("decode", "verify", "extend")
 FAMILIES = ("torch", "triton", "cute")
+
+
+def head_dims_supported(head_dim: int, v_head_dim: int) -> bool:
+    """Whether the op takes q/k head dim `head_dim` with value head dim `v_head_dim` (the table above)."""
+    if head_dim in HEAD_DIMS:
+        return v_head_dim in V_HEAD_DIMS
+    return MLA_HEAD_DIMS.get(head_dim) == v_head_dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +54,7 @@ class Problem:
     packed: bool  # q is [T, Hq, D] with cu_seqlens_q
     num_q_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # D: q's and k's head dim
     page_size: int
     max_pages: int  # columns of page_table: the static KV capacity is max_pages * page_size
     q_dtype: torch.dtype
@@ -49,6 +64,11 @@ class Problem:
     sm_count: int = 0  # streaming multiprocessors (cuda)
     capability: tuple[int, int] = (0, 0)  # compute capability (cuda)
     key_mask: bool = False  # a key_mask tensor is passed (the kernel reads it: families that do not, refuse)
+    v_head_dim: int | None = None  # Dv: v's and out's head dim; None (the default) means head_dim
+
+    def __post_init__(self):
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
 
     @property
     def group(self) -> int:
@@ -101,12 +121,12 @@ class Plan:
 
 
 def split_scratch_bytes(problem: Problem, num_splits: int, always: bool = False) -> int:
-    """Bytes of split-KV scratch: fp32 partial outputs [rows, Hq, splits, D] and LSEs [rows, Hq, splits]
+    """Bytes of split-KV scratch: fp32 partial outputs [rows, Hq, splits, Dv] and LSEs [rows, Hq, splits]
     (none for one split, unless `always`: the CuTe family always writes partials and merges)."""
     if num_splits <= 1 and not always:
         return 0
     rows = problem.batch * problem.q_len
-    return rows * problem.num_q_heads * num_splits * (problem.head_dim + 1) * 4
+    return rows * problem.num_q_heads * num_splits * (problem.v_head_dim + 1) * 4
 
 
 @functools.cache

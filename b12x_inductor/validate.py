@@ -12,7 +12,9 @@ import os
 
 import torch
 
-from b12x_inductor.plan import FP8, HEAD_DIMS, Q_DTYPES_CPU, Q_DTYPES_CUDA, Problem, device_facts  # noqa: F401
+from b12x_inductor.plan import (  # noqa: F401
+    FP8, HEAD_DIMS, MLA_HEAD_DIMS, Q_DTYPES_CPU, Q_DTYPES_CUDA, V_HEAD_DIMS, Problem, device_facts,
+)
 
 
 REFUSALS = {e.__name__: e for e in (ValueError, TypeError, RuntimeError)}
@@ -162,20 +164,24 @@ def cache_dims(shape, kv_layout: str) -> tuple:
     return (shape[1], shape[2]) if kv_layout == "NHD" else (shape[2], shape[1])
 
 
-def cache_geometry(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int, int]:
-    """(num_pages, page_size, Hkv, D) of a paged cache pair, after checking the pair agrees."""
+def cache_geometry(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   kv_layout: str) -> tuple[int, int, int, int, int]:
+    """(num_pages, page_size, Hkv, D, Dv) of a paged cache pair, after checking the pair agrees: v_cache matches
+    k_cache in every dim but the last (the value head dim Dv may differ from the key head dim D)."""
     check_kv_layout(op, kv_layout)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(op, name, c, dim=4)
         if c.stride(-1) != 1:
             _fail(op, name, "contiguous in its last (head) dim", f"strides {tuple(c.stride())}")
-    if _shape(k_cache) != _shape(v_cache):
-        _fail(op, "v_cache", f"of k_cache's shape {_shape(k_cache)}", f"shape {_shape(v_cache)}")
+    if _shape(k_cache)[:-1] != _shape(v_cache)[:-1]:
+        _fail(op, "v_cache", f"of k_cache's shape {_shape(k_cache)[:-1]} in every dim but the last (the value head "
+              f"dim)", f"shape {_shape(v_cache)}")
     if k_cache.dtype != v_cache.dtype:
         _fail(op, "v_cache", f"of k_cache's dtype {k_cache.dtype}", v_cache.dtype, "TypeError")
     if k_cache.device != v_cache.device:
         _fail(op, "v_cache", f"on k_cache's device {k_cache.device}", v_cache.device)
     n, _, _, d = _shape(k_cache)
+    dv = _shape(v_cache)[-1]
     page_size, hkv = cache_dims(_shape(k_cache), kv_layout)
     if n < 1:
         _fail(op, "k_cache", "a cache with at least one page (num_pages >= 1)", f"shape {_shape(k_cache)}")
@@ -183,7 +189,20 @@ def cache_geometry(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_lay
         _fail(op, "k_cache", "a cache with page_size >= 1", f"shape {_shape(k_cache)} ({kv_layout})")
     if hkv < 1:
         _fail(op, "k_cache", "a cache with Hkv >= 1 KV heads", f"shape {_shape(k_cache)} ({kv_layout})")
-    return n, page_size, hkv, d
+    return n, page_size, hkv, d, dv
+
+
+def check_head_dims(op: str, d, dv) -> None:
+    """The (D, Dv) pair against plan.py's head-dim table (sizes may be symbolic: compared, never hashed)."""
+    if d not in HEAD_DIMS and d not in tuple(MLA_HEAD_DIMS):
+        _fail(op, "q", "of head dim " + ", ".join(map(str, HEAD_DIMS)) + " (or "
+              + ", ".join(f"{k} with a value head dim of {v}" for k, v in MLA_HEAD_DIMS.items()) + ")",
+              f"head dim {d}")
+    for mla_d, mla_dv in MLA_HEAD_DIMS.items():
+        if d == mla_d and dv != mla_dv:
+            _fail(op, "v_cache", f"of value head dim {mla_dv} with q/k head dim {mla_d}", f"value head dim {dv}")
+    if dv not in V_HEAD_DIMS:
+        _fail(op, "v_cache", "of value head dim " + ", ".join(map(str, V_HEAD_DIMS)), f"value head dim {dv}")
 
 
 def check_paged_attention(
@@ -211,7 +230,7 @@ def check_paged_attention(
         _fail(op, "q", "at least one token", f"shape {_shape(q)}")
     if q.shape[-2] == 0:
         _fail(op, "q", "at least one head (Hq >= 1)", f"shape {_shape(q)}")
-    num_pages, page_size, hkv, d = cache_geometry(op, k_cache, v_cache, kv_layout)
+    num_pages, page_size, hkv, d, dv = cache_geometry(op, k_cache, v_cache, kv_layout)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(op, name, c, device=device)
     if k_cache.dtype != q.dtype and not (k_cache.dtype == FP8 and q.dtype in Q_DTYPES_CUDA):
@@ -220,8 +239,7 @@ def check_paged_attention(
     hq, qd = q.shape[-2], q.shape[-1]
     if qd != d:
         _fail(op, "k_cache", f"of q's head dim {qd}", f"head dim {d}")
-    if d not in HEAD_DIMS:
-        _fail(op, "q", "of head dim " + ", ".join(map(str, HEAD_DIMS)), f"head dim {d}")
+    check_head_dims(op, d, dv)
     if hq % hkv != 0:
         _fail(op, "q", f"a number of heads divisible by the cache's {hkv} KV heads", f"{hq} heads")
 
@@ -249,8 +267,8 @@ def check_paged_attention(
             _fail(op, "key_mask", f"of shape [B, S, max_pages * page_size] = ({batch}, {q.shape[1]}, {capacity}) "
                   f"or [B, 1, max_pages * page_size] = ({batch}, 1, {capacity})", f"shape {_shape(key_mask)}")
     check_options(op, kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=softcap)
-    if out is not None:
-        _check_tensor(op, "out", out, dtype=q.dtype, shape=_shape(q), device=device)
+    if out is not None:  # q's shape with the value head dim: [B, S, Hq, Dv] or [T, Hq, Dv]
+        _check_tensor(op, "out", out, dtype=q.dtype, shape=_shape(q)[:-1] + (dv,), device=device)
         if not out.is_contiguous():
             _fail(op, "out", "contiguous", f"strides {tuple(out.stride())}")
 
@@ -259,7 +277,7 @@ def check_paged_attention(
     sm_count, capability = device_facts(device)
     return Problem(
         batch=int(batch), q_len=int(q.shape[1] if q.dim() == 4 else q.shape[0]), packed=q.dim() == 3,
-        num_q_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(d), page_size=int(page_size),
+        num_q_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(d), v_head_dim=int(dv), page_size=int(page_size),
         max_pages=int(max_pages), q_dtype=q.dtype, kv_dtype=k_cache.dtype, kv_layout=kv_layout,
         device_type=device.type, sm_count=sm_count, capability=capability, key_mask=key_mask is not None,
     )
@@ -269,10 +287,10 @@ def check_write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, 
     op = "write_kv"
     _check_tensor(op, "k", k, dim=3)
     device = k.device
-    _check_tensor(op, "v", v, dtype=k.dtype, shape=_shape(k), device=device)
     if k.dtype not in Q_DTYPES_CPU:
         _fail(op, "k", "of dtype torch.bfloat16, torch.float16 or torch.float32", k.dtype, "TypeError")
-    _, _, hkv, d = cache_geometry(op, k_cache, v_cache, kv_layout)
+    _, _, hkv, d, dv = cache_geometry(op, k_cache, v_cache, kv_layout)
+    _check_tensor(op, "v", v, dtype=k.dtype, shape=_shape(k)[:-1] + (dv,), device=device)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_tensor(op, name, c, device=device)
     if k_cache.dtype != k.dtype and k_cache.dtype != FP8:

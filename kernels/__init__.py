@@ -50,10 +50,11 @@ class Call:
     """One paged-attention call as every family runs it: read the inputs, write `out`, `lse` and `scratch`
     only. Shapes (validate.py checks them before a Call exists):
     q [B, S, Hq, D] or packed [T, Hq, D] (bf16/fp16, fp32 on CPU); k_cache, v_cache [num_pages, page_size,
-    Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND), q's dtype or float8_e4m3fn; page_table int32
-    [B, max_pages]; cache_seqlens int32 [B]; cu_seqlens_q int32 [B + 1] (packed q) or None; kv_start int32
-    [B] or None; sinks float32 [Hq] or None; k_descale, v_descale float32 scalar, [B] or [B, Hkv], or None;
-    key_mask bool [B, S or 1, max_pages * page_size] (4-D q only; any strides) or None; out like q; lse float32
+    Hkv, D] (NHD) or [num_pages, Hkv, page_size, D] (HND), q's dtype or float8_e4m3fn, v_cache's last dim the
+    value head dim Dv (which may differ from D: MLA); page_table int32 [B, max_pages]; cache_seqlens int32
+    [B]; cu_seqlens_q int32 [B + 1] (packed q) or None; kv_start int32 [B] or None; sinks float32 [Hq] or
+    None; k_descale, v_descale float32 scalar, [B] or [B, Hkv], or None; key_mask bool [B, S or 1, max_pages *
+    page_size] (4-D q only; any strides) or None; out q's shape with Dv last, q's dtype; lse float32
     q's shape without D; scratch uint8 [plan.scratch_bytes]."""
 
     q: torch.Tensor

@@ -10,10 +10,14 @@ Semantics (the README repeats them):
   c = L - S_b + i. Key j is visible iff kv_start[b] <= j <= c (without causal: kv_start[b] <= j < L) and,
   when window_left >= 0, j >= c - window_left; with a key_mask [B, S or 1, max_pages * page_size] (4-D q
   only), also key_mask[b, i or 0, j].
-- logits = scale * q.k; with softcap > 0, logits = softcap * tanh(logits / softcap); softmax over the
-  visible keys, with sinks[h] (when given) one more logit in the denominator only. float8 caches are
-  dequantized with k_descale / v_descale (a scalar, one per request [B], or one per request and KV head
-  [B, Hkv]).
+- Head dims: q and k share the head dim D, v has the value head dim Dv (Dv == D for plain GQA; DeepSeek-V3's
+  MLA: D = 192 and Dv = 128 non-absorbed, D = 576 and Dv = 512 absorbed, where v is a view of k's first 512
+  values). out has q's shape with Dv: [B, S, Hq, Dv] or [T, Hq, Dv].
+- logits = scale * q.k (a dot product over D; scale defaults to D ** -0.5); with softcap > 0,
+  logits = softcap * tanh(logits / softcap); probs = softmax over the visible keys, with sinks[h] (when
+  given) one more logit in the denominator only; out = probs @ v (over the visible keys, Dv wide). float8
+  caches are dequantized with k_descale / v_descale (a scalar, one per request [B], or one per request and
+  KV head [B, Hkv]).
 - lse is the natural-log log-sum-exp over the same terms, the sink included. A query with no visible key
   outputs zeros and lse = -inf. Packed rows past cu_seqlens_q[-1] output zeros and lse = -inf.
 - Device values outside the contract (lengths past the page table's capacity, page ids outside the cache,
@@ -43,7 +47,7 @@ def _descale(descale: torch.Tensor | None, b: int, num_kv_heads: int) -> torch.T
 
 
 def gather_request_kv(cache: torch.Tensor, page_table_row: torch.Tensor, length: int, kv_layout: str) -> torch.Tensor:
-    """Keys (or values) 0..length-1 of one request as fp32 [length, Hkv, D]."""
+    """Keys (or values) 0..length-1 of one request as fp32 [length, Hkv, D] (values: [length, Hkv, Dv])."""
     page_size = cache.shape[1] if kv_layout == "NHD" else cache.shape[2]
     j = torch.arange(length)
     page, off = page_table_row[j // page_size].long(), j % page_size
@@ -82,7 +86,8 @@ def paged_attention_reference(
     v_descale: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out, lse) in fp32 on the CPU: out shaped like q, lse like q without its last dim."""
+    """Returns (out, lse) in fp32 on the CPU: out shaped like q with v's head dim Dv as its last dim, lse like q
+    without its last dim."""
     q, k_cache, v_cache = q.detach().cpu(), k_cache.detach().cpu(), v_cache.detach().cpu()
     page_table, cache_seqlens = page_table.cpu(), cache_seqlens.cpu()
     packed = q.dim() == 3
@@ -93,7 +98,8 @@ def paged_attention_reference(
     scale = head_dim**-0.5 if scale is None else scale
     batch = page_table.shape[0]
 
-    out = torch.zeros(q.shape, dtype=torch.float32)
+    v_head_dim = v_cache.shape[-1]
+    out = torch.zeros(q.shape[:-1] + (v_head_dim,), dtype=torch.float32)
     lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32)
     for b in range(batch):
         length = int(cache_seqlens[b])
@@ -119,14 +125,14 @@ def paged_attention_reference(
             if not bool(visible.any()):
                 continue  # zeros and lse = -inf
             k_vis = keys[visible][:, heads_kv]  # [n, Hq, D]: each query head's keys
-            v_vis = vals[visible][:, heads_kv]
-            logits = torch.einsum("nhd,hd->hn", k_vis, q_rows[i]) * scale  # [Hq, n]
+            v_vis = vals[visible][:, heads_kv]  # [n, Hq, Dv]: its values
+            logits = torch.einsum("nhd,hd->hn", k_vis, q_rows[i]) * scale  # [Hq, n]: q.k over D
             if softcap > 0:
                 logits = softcap * torch.tanh(logits / softcap)
             terms = logits if sinks is None else torch.cat([logits, sinks.float().cpu()[:, None]], dim=1)
             row_lse = torch.logsumexp(terms, dim=1)  # [Hq]
             probs = torch.exp(logits - row_lse[:, None])
-            o = torch.einsum("hn,nhd->hd", probs, v_vis)
+            o = torch.einsum("hn,nhe->he", probs, v_vis)  # [Hq, Dv]: probs @ v
             if packed:
                 out[q0 + i], lse[q0 + i] = o, row_lse
             else:

@@ -56,9 +56,11 @@ def paged_attention_torch(
     q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale, v_descale,
     out, lse, *, kv_layout, causal, scale, window_left, softcap, key_mask=None,
 ) -> None:
-    """Writes out (q's shape and dtype) and lse (fp32, q's shape without D) for any mode."""
+    """Writes out (q's shape with v's head dim Dv, q's dtype) and lse (fp32, q's shape without D) for any mode.
+    q and k have head dim D, v and out Dv (which may differ: MLA)."""
     batch, max_pages = page_table.shape
     hq, d = q.shape[-2], q.shape[-1]
+    dv = v_cache.shape[-1]
     page_size, hkv = cache_dims(k_cache.shape, kv_layout)
     g = hq // hkv
     dev = q.device
@@ -76,7 +78,7 @@ def paged_attention_torch(
         s = q.shape[1]
         total = batch * s
         qf = None  # rows gathered as q[token // s, token % s]: no copy of a strided q
-        outf = out.view(total, hq, d)
+        outf = out.view(total, hq, dv)
         lsef = lse.view(total, hq)
         cu = torch.arange(batch + 1, device=dev) * s
         bm = min(s, _MAX_BLOCK_M)
@@ -138,7 +140,7 @@ def paged_attention_torch(
         hi = torch.where(tile_live, hi, 0)
 
     block_n = max(1, min(_MAX_BLOCK_N, cap))
-    per_tile = max(block_n * hkv * d, hq * bm * block_n, hq * bm * d)
+    per_tile = max(block_n * hkv * max(d, dv), hq * bm * block_n, hq * bm * max(d, dv))
     chunk = max(1, _BUDGET // per_tile)
     heads = torch.arange(hkv, device=dev)[None, :, None]
     sink = None if sinks is None else sinks.float().reshape(1, hkv, g)
@@ -171,7 +173,7 @@ def paged_attention_torch(
         qt = qt.reshape(n, bm, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(n, hkv, bm * g, d)
         m_i = torch.full((n, hkv, bm * g), float("-inf"), device=dev)
         l_i = torch.zeros((n, hkv, bm * g), device=dev)
-        acc = torch.zeros((n, hkv, bm * g, d), device=dev)
+        acc = torch.zeros((n, hkv, bm * g, dv), device=dev)
         tile_pages = pages[req][:, None, :]  # [n, 1, max_pages]
         for j0 in range(j_begin, j_end, block_n):
             j = torch.arange(j0, min(j_end, j0 + block_n), device=dev)
@@ -182,7 +184,8 @@ def paged_attention_torch(
                 shown = key_mask[mask_req, mask_row, j[None, None, :]]  # [n, bm or 1, bn]
                 seen = seen & shown.any(1)
             seen4 = seen[:, None, :, None]
-            # [n, Hkv, bn, D]; keys and values no row of the tile sees become zeros before any product
+            # [n, Hkv, bn, D] and [n, Hkv, bn, Dv]; keys and values no row of the tile sees become zeros before
+            # any product
             keys = torch.where(seen4, _gather(k_cache, page, off, heads, kv_layout), 0).float()
             vals = torch.where(seen4, _gather(v_cache, page, off, heads, kv_layout), 0).float()
             if k_descale is not None:
@@ -221,10 +224,10 @@ def paged_attention_torch(
         o = torch.where(seen_any[..., None], o, 0.0)
         row_lse = torch.where(seen_any, row_lse, float("-inf"))
         # back to [n * bm, Hq(, D)] and into the rows' places; dead rows add zeros to row 0 and skip lse
-        o = o.reshape(n, hkv, bm, g, d).permute(0, 2, 1, 3, 4).reshape(n * bm, hq, d)
+        o = o.reshape(n, hkv, bm, g, dv).permute(0, 2, 1, 3, 4).reshape(n * bm, hq, dv)
         row_lse = row_lse.reshape(n, hkv, bm, g).permute(0, 2, 1, 3).reshape(n * bm, hq)
         if identity:
-            outf.view(batch, bm, hq, d)[c0:c1] = o.reshape(n, bm, hq, d).to(outf.dtype)
+            outf.view(batch, bm, hq, dv)[c0:c1] = o.reshape(n, bm, hq, dv).to(outf.dtype)
             lsef.view(batch, bm, hq)[c0:c1] = row_lse.reshape(n, bm, hq)
             continue
         flat_live = live.reshape(-1)

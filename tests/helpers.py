@@ -61,7 +61,8 @@ def run_family(t, options, family, out=None, overrides=None):
         key_mask=t.get("key_mask"), out=None)
     plan = family_plan(problem, family, **(overrides or {}))
     q = t["q"]
-    out = torch.full_like(q, float("nan")) if out is None else out
+    out = torch.full(q.shape[:-1] + t["v_cache"].shape[-1:], float("nan"), dtype=q.dtype, device=q.device) \
+        if out is None else out
     lse = torch.full(q.shape[:-1], float("nan"), device=q.device)
     scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=q.device)
     opts = kernels.Options.of(q.shape[-1], kv_layout=options.get("kv_layout", "NHD"),
@@ -83,12 +84,14 @@ def direct_call(t: dict, mode: str, options: dict, tiles: dict):
     from b12x_inductor.plan import Plan
 
     q = t["q"]
+    dv = t["v_cache"].shape[-1]
     splits = tiles.get("num_splits", 1)
     rows = q.shape[0] * q.shape[1] if q.dim() == 4 else 0
-    scratch_bytes = rows * q.shape[-2] * splits * (q.shape[-1] + 1) * 4 if splits > 1 else 0
+    scratch_bytes = rows * q.shape[-2] * splits * (dv + 1) * 4 if splits > 1 else 0
     plan = Plan(mode=mode, family="triton", scratch_bytes=scratch_bytes, **tiles)
     return kernels.Call(
-        **{k: t.get(k) for k in kernels.Call.INPUTS}, out=torch.full(q.shape, float("nan"), dtype=q.dtype),
+        **{k: t.get(k) for k in kernels.Call.INPUTS},
+        out=torch.full(q.shape[:-1] + (dv,), float("nan"), dtype=q.dtype),
         lse=torch.full(q.shape[:-1], float("nan")), scratch=torch.empty(scratch_bytes, dtype=torch.uint8),
         options=kernels.Options(**options), plan=plan)
 

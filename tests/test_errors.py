@@ -100,6 +100,22 @@ CASES = [
     ("zero_q_heads", _set(q=lambda a: a["q"][:, :, :0]), ValueError, r"q must be at least one head \(Hq >= 1\)"),
     ("out_shape", _set(out=lambda a: torch.empty(2, 1, 4, 32)), ValueError, "out must be of shape"),
     ("out_dtype", _set(out=lambda a: torch.empty(2, 1, 4, 64, dtype=torch.float16)), TypeError, "out must be of dtype"),
+    # the value head dim Dv (v_cache's last dim) may differ from D: plan.py's table
+    ("v_head_dim", _set(v_cache=lambda a: torch.randn(*a["v_cache"].shape[:-1], 32)), ValueError,
+     "v_cache must be of value head dim 64, 96, 128, 192, 256, 512; got value head dim 32"),
+    ("v_cache_heads", _set(v_cache=lambda a: torch.randn(11, 4, 1, 128)), ValueError,
+     r"v_cache must be of k_cache's shape \(11, 4, 2\) in every dim but the last"),
+    ("mla_dv", _set(q=lambda a: torch.randn(2, 1, 4, 576), k_cache=lambda a: torch.randn(11, 4, 1, 576),
+                    v_cache=lambda a: torch.randn(11, 4, 1, 256)), ValueError,
+     "v_cache must be of value head dim 512 with q/k head dim 576; got value head dim 256"),
+    ("d576_dv576", _set(q=lambda a: torch.randn(2, 1, 4, 576), k_cache=lambda a: torch.randn(11, 4, 1, 576),
+                        v_cache=lambda a: torch.randn(11, 4, 1, 576)), ValueError,
+     "v_cache must be of value head dim 512 with q/k head dim 576"),
+    ("head_dim_512", _set(q=lambda a: torch.randn(2, 1, 4, 512), k_cache=lambda a: torch.randn(11, 4, 1, 512),
+                          v_cache=lambda a: torch.randn(11, 4, 1, 512)), ValueError,
+     r"q must be of head dim 64, 96, 128, 192, 256 \(or 576 with a value head dim of 512\); got head dim 512"),
+    ("out_dv", _set(v_cache=lambda a: torch.randn(*a["v_cache"].shape[:-1], 128),
+                    out=lambda a: torch.empty(2, 1, 4, 64)), ValueError, r"out must be of shape \(2, 1, 4, 128\)"),
 ]
 
 
@@ -152,6 +168,7 @@ WRITE_CASES = [
      "k_cache must be a cache with at least one page"),
     ("zero_kv_heads", dict(k=torch.randn(3, 0, 64), v=torch.randn(3, 0, 64), k_cache=torch.randn(5, 4, 0, 64),
                            v_cache=torch.randn(5, 4, 0, 64)), ValueError, "k_cache must be a cache with Hkv >= 1"),
+    ("v_head_dim", dict(v_cache=torch.randn(5, 4, 2, 128)), ValueError, r"v must be of shape \(3, 2, 128\)"),
 ]
 
 

@@ -30,7 +30,7 @@ def naive(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *, 
             lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
             for t in range(lo, hi):
                 rows.append(((t,), b, t - lo, hi - lo))
-    out = torch.zeros(q.shape, dtype=torch.float64)
+    out = torch.zeros(q.shape[:-1] + (v_cache.shape[-1],), dtype=torch.float64)  # v's head dim
     lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float64)
 
     def descale(ds, b, kh):
@@ -121,3 +121,15 @@ def test_reference_request_without_keys():
     # a window and kv_start that hide every key of request 1's only query
     out, lse = paged_attention_reference(**args, kv_start=torch.tensor([0, 5], dtype=torch.int32))
     assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("dv", [32, 128])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_reference_value_head_dim_differs(dv, q_len):
+    """v_cache's head dim Dv != D: logits over D, out [.., Dv] (the naive loop sums Dv-dim values)."""
+    args = make_problem(batch=2, q_len=q_len, hq=4, hkv=2, d=64, page_size=3, max_pages=4, seed=dv + q_len)
+    gen = torch.Generator().manual_seed(dv)
+    args["v_cache"] = torch.randn(*args["v_cache"].shape[:-1], dv, generator=gen)
+    out, _ = paged_attention_reference(**args)
+    assert out.shape == args["q"].shape[:-1] + (dv,)
+    _check(args, window_left=2, sinks=torch.randn(4, generator=gen))

@@ -57,6 +57,8 @@ def supports(problem) -> bool:
     (Installed or not: `available()` says that.)"""
     if problem.device_type != "cuda" or problem.capability not in VERIFIED_CAPABILITIES or problem.key_mask:
         return False
+    if problem.v_head_dim != problem.head_dim:  # MLA (Dv != D): no CuTe kernel yet; the Triton family runs it
+        return False
     if problem.q_dtype not in Q_DTYPES_CUDA or problem.kv_layout not in ("NHD", "HND"):
         return False
     if problem.page_size < 1:

@@ -49,6 +49,8 @@ def supports(problem) -> bool:
         return False
     if problem.kv_dtype == FP8 and cap < FP8_MIN_CAPABILITY:
         return False
+    if problem.v_head_dim != problem.head_dim:  # the kernels read v with q's head dim (for now)
+        return False
     return problem.head_dim in HEAD_DIMS and problem.kv_layout in ("NHD", "HND") and problem.page_size >= 1
 
 
