@@ -6,18 +6,17 @@ kernels/triton/_compile_only.py (`triton.compile` for a `GPUTarget`; no kernel i
 checks that each kernel's shared memory fits the target's per-block limit.
 
 The configurations come from the plans themselves: select_plan over a grid of Problems (decode, verify and
-extend, 4-D and packed q; head dims 64-256; bf16 and fp16 q with the cache in q's dtype or float8; NHD page 16,
-NHD page 64 and HND page 1; group sizes 1-8; and four feature sets: causal, non-causal, sliding window,
-softcap) on a GPU of each capability, keeping those that take the Triton family (so no float8 for sm80).
-That grid reaches about 70 distinct (tile, head dim, cache dtype) kernels per target, each a 1-5 s compile
-(about 6 min for all five targets on two cores), so each target compiles a representative set instead: the
-fewest Problems (greedy cover) that together reach every tile configuration the plans emit (kernel, block_m,
-block_n, num_warps, num_stages: 11 decode/verify tiles and 2 extend tiles; 7 and 2 on sm80, whose plans have
-no float8 and so no 128-key tiles), both split-KV with its merge
-kernel and no split, every head dim, every (q, cache) dtype pair the target allows, every layout / page size,
-packed q and every feature set: 13 Problems per target (9 on sm80), 61 plans (plus their merge kernels) in all,
-spread over the CPU cores
-(about 70 s on two, from a cold Triton cache).
+extend, 4-D and packed q; head dims 64-256, and MLA's (D, Dv) = (192, 128) and (576, 512); bf16 and fp16 q
+with the cache in q's dtype or float8; NHD page 16, NHD page 64 and HND page 1; group sizes 1-8; and four
+feature sets: causal, non-causal, sliding window, softcap) on a GPU of each capability, keeping those that
+take the Triton family (so no float8 for sm80). That grid reaches about 70 distinct (tile, head dim, cache
+dtype) kernels per target, each a 1-5 s compile (about 6 min for all five targets on two cores), so each
+target compiles a representative set instead: the fewest Problems (greedy cover) that together reach every
+tile configuration the plans emit (kernel, block_m, block_n, num_warps, num_stages: 12 decode/verify tiles
+and 3 extend tiles; 8 and 3 on sm80, whose plans have no float8 and so no 128-key tiles), both split-KV with
+its merge kernel and no split, every head-dim pair, every (q, cache) dtype pair the target allows, every
+layout / page size, packed q and every feature set: 15 Problems per target (11 on sm80), 71 plans (plus
+their merge kernels) in all, spread over the CPU cores (about 70 s on two, from a cold Triton cache).
 """
 
 from __future__ import annotations
@@ -59,12 +58,24 @@ def _grid(capability, sm_count):
                                     kv_layout=layout, device_type="cuda", sm_count=sm_count,
                                     capability=capability)
                         yield p, (i + j) % len(OPTIONS)
+    # MLA: value head dims that differ from the key's (DeepSeek-V3 non-absorbed 192 / 128, absorbed 576 / 512
+    # with one KV head), whose plans take the tiles of max(D, Dv)
+    for i, (b, s, packed, m) in enumerate(shapes):
+        for j, (d, dv, heads_mla) in enumerate(((192, 128, [(16, 16), (32, 8)]), (576, 512, [(16, 1), (128, 1)]))):
+            for hq, hkv in heads_mla:
+                for qd, kd in dtypes:
+                    for layout, ps in layouts:
+                        p = Problem(batch=b, q_len=s, packed=packed, max_pages=m, num_q_heads=hq,
+                                    num_kv_heads=hkv, head_dim=d, v_head_dim=dv, page_size=ps, q_dtype=qd,
+                                    kv_dtype=kd, kv_layout=layout, device_type="cuda", sm_count=sm_count,
+                                    capability=capability)
+                        yield p, (i + j) % len(OPTIONS)
 
 
 def _facets(problem, plan, opt):
     kernel = "extend" if plan.mode == "extend" else "split"
     return {("tile", kernel, plan.block_m, plan.block_n, plan.num_warps, plan.num_stages),
-            ("splits", kernel, plan.num_splits > 1), ("d", problem.head_dim),
+            ("splits", kernel, plan.num_splits > 1), ("d", problem.head_dim, problem.v_head_dim),
             ("dtype", problem.q_dtype, problem.kv_dtype), ("layout", problem.kv_layout, problem.page_size),
             ("packed", problem.packed), ("options", opt)}
 
@@ -121,7 +132,7 @@ def test_representative_sets_cover_every_plan_facet():
     for cc in TARGETS:
         chosen, every = representative(cc)
         tiles = {f for f in every if f[0] == "tile"}
-        assert len(tiles) == (13 if cc >= 89 else 9) and len(chosen) <= 16, (cc, len(tiles), len(chosen))
+        assert len(tiles) == (15 if cc >= 89 else 11) and len(chosen) <= 18, (cc, len(tiles), len(chosen))
         has_fp8 = any(f[0] == "dtype" and f[2] == F8 for f in every)
         assert has_fp8 == (cc >= 89), cc
 
@@ -134,7 +145,8 @@ def test_plans_compile_for_target(compiled, cc):
     for (target, i), (problem, plan, opt) in jobs.items():
         if target != cc:
             continue
-        what = (f"sm{cc} {plan.mode} D={problem.head_dim} {problem.q_dtype}/{problem.kv_dtype} "
+        what = (f"sm{cc} {plan.mode} D={problem.head_dim} Dv={problem.v_head_dim} "
+                f"{problem.q_dtype}/{problem.kv_dtype} "
                 f"{problem.kv_layout} p={problem.page_size} m={plan.block_m} n={plan.block_n} "
                 f"w={plan.num_warps} st={plan.num_stages} splits={plan.num_splits} options={OPTIONS[opt]}")
         res = results[(target, i)]

@@ -30,19 +30,24 @@ F8 = torch.float8_e4m3fn
 
 def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="NHD", dtype=torch.bfloat16,
                 kv_dtype=None, packed=False, lens=None, q_lens=None, kv_start=False, sinks=False, descale=None,
-                seed=0, device="cpu", spare_pages=1, nan_unused=False, key_mask=None):
+                seed=0, device="cpu", spare_pages=1, nan_unused=False, key_mask=None, dv=None, v_view=False):
     """Tensors of one call: caches are views of a combined [num_pages, 2, ...] cache (odd strides), pages in
-    random order, fresh random values. Packed q has 3 padding rows past the live tokens. `nan_unused`: every
-    cache slot that holds no key of [kv_start, length) of a request is NaN (unwritten or evicted memory:
-    a kernel must never let it reach out). `key_mask` "request" ([B, 1, capacity]) or "rows" ([B, S,
-    capacity], 4-D q): random holes, one query row (request 0's first) that sees no key, and a strided view
-    (every other key column of a wider mask); with nan_unused, slots no row of their request sees are NaN."""
+    random order, fresh random values. `dv`: v's head dim where it differs from d (k and v are then the first
+    d and dv columns of the two halves of a [..., max(d, dv)] cache); `v_view`: v is k's first dv columns, the
+    same storage (absorbed MLA's latent cache: v = latent[..., :512]). Packed q has 3 padding rows past the
+    live tokens. `nan_unused`: every cache slot that holds no key of [kv_start, length) of a request is NaN
+    (unwritten or evicted memory: a kernel must never let it reach out). `key_mask` "request" ([B, 1,
+    capacity]) or "rows" ([B, S, capacity], 4-D q): random holes, one query row (request 0's first) that sees
+    no key, and a strided view (every other key column of a wider mask); with nan_unused, slots no row of
+    their request sees are NaN."""
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
+    dv = d if dv is None else dv
     lens = lens or [q_len + 9 + 7 * b for b in range(batch)]
     max_pages = max(-(-n // page_size) for n in lens) + spare_pages
     num_pages = batch * max_pages + 3
-    inner = (page_size, hkv, d) if kv_layout == "NHD" else (hkv, page_size, d)
+    width = max(d, dv)
+    inner = (page_size, hkv, width) if kv_layout == "NHD" else (hkv, page_size, width)
     kv = torch.randn((num_pages, 2, *inner), generator=gen) * (2.0 if kv_dtype == F8 else 1.0)
     page_table = torch.randperm(num_pages, generator=gen)[: batch * max_pages].reshape(batch, max_pages)
     starts = [1 + 2 * b if kv_start else 0 for b in range(batch)]
@@ -62,7 +67,9 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
         live = live[:, None, :, None, None] if kv_layout == "NHD" else live[:, None, None, :, None]
         kv = kv.masked_fill(~live, float("nan"))
     kv = kv.to(kv_dtype).to(device)
-    t = dict(k_cache=kv[:, 0], v_cache=kv[:, 1], page_table=page_table.int().to(device),
+    k_cache = kv[:, 0, ..., :d]
+    v_cache = k_cache[..., :dv] if v_view else kv[:, 1, ..., :dv]
+    t = dict(k_cache=k_cache, v_cache=v_cache, page_table=page_table.int().to(device),
              cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device), cu_seqlens_q=None,
              kv_start=None, sinks=None, k_descale=None, v_descale=None,
              key_mask=None if mask is None else mask.to(device))
@@ -129,6 +136,31 @@ INTERPRETER_CASES = [
      dict()),
     ("extend_packed_fp8_noncausal", "extend", (1, 16, 16),
      dict(packed=True, lens=[21, 30], q_lens=[0, 17], kv_dtype=F8, descale="scalar"), dict(causal=False)),
+    # value head dim != key head dim (MLA): DeepSeek-V3 non-absorbed D 192 / Dv 128, absorbed D 576 / Dv 512
+    # with v a view of k's first 512 columns and one KV head (576 = a 512 and a 64 column block of q.k)
+    ("decode_dv128_d192", "decode", (3, 16, 16), dict(d=192, dv=128, hq=4, hkv=4, nan_unused=True, sinks=True,
+                                                      kv_start=True), dict(window_left=6)),
+    ("decode_mla576_page1", "decode", (2, 16, 16), dict(d=576, dv=512, hq=8, hkv=1, v_view=True, page_size=1,
+                                                        nan_unused=True, lens=[0, 23]), dict()),
+    ("decode_mla576_nosplit_hnd", "decode", (1, 16, 16), dict(d=576, dv=512, hq=4, hkv=1, v_view=True,
+                                                              kv_layout="HND", page_size=16, nan_unused=True),
+     dict(softcap=5.0)),
+    ("verify_mla576_fp8", "verify", (2, 16, 16), dict(q_len=3, d=576, dv=512, hq=4, hkv=1, v_view=True, kv_dtype=F8,
+                                                      descale="b", nan_unused=True), dict()),
+    ("verify_dv128_key_mask", "verify", (2, 16, 16), dict(q_len=4, d=192, dv=128, hq=4, hkv=1, key_mask="rows",
+                                                          nan_unused=True), dict()),
+    ("decode_dv_wider_than_d", "decode", (2, 16, 16), dict(d=64, dv=128, hq=4, hkv=2, nan_unused=True), dict()),
+    ("extend_mla576_4d", "extend", (1, 32, 16), dict(q_len=18, lens=[18, 37], d=576, dv=512, hq=2, hkv=1,
+                                                     v_view=True, page_size=16, nan_unused=True, kv_start=True),
+     dict(window_left=9)),
+    ("extend_dv128_packed_hnd", "extend", (1, 16, 16), dict(packed=True, lens=[25, 33], d=192, dv=128, hq=4, hkv=2,
+                                                           kv_layout="HND", page_size=5, nan_unused=True),
+     dict(causal=False)),
+    ("extend_dv96_d128_key_mask", "extend", (1, 16, 16), dict(q_len=18, lens=[18, 40], d=128, dv=96, hq=2, hkv=2,
+                                                              key_mask="rows", nan_unused=True), dict()),
+    ("extend_mla576_packed_fp8", "extend", (1, 16, 16), dict(packed=True, lens=[20, 31], q_lens=[17, 9], d=576,
+                                                             dv=512, hq=2, hkv=1, v_view=True, kv_dtype=F8,
+                                                             descale="bh", nan_unused=True), dict()),
 ]
 
 
@@ -260,6 +292,19 @@ GPU_CASES = [
                                       key_mask="rows", kv_dtype=F8, descale="b", nan_unused=True), {}),
     ("extend_4d_key_mask", dict(batch=2, q_len=150, hq=16, hkv=4, d=64, page_size=16, lens=[150, 420],
                                 key_mask="rows", nan_unused=True), {}),
+    # value head dim != key head dim (MLA; the Triton family: CuTe refuses Dv != D)
+    ("decode_dv128_d192", dict(batch=3, hq=16, hkv=16, d=192, dv=128, page_size=16, lens=[600, 37, 5],
+                               nan_unused=True), {}),
+    ("extend_dv128_d192_gqa", dict(batch=2, q_len=200, hq=16, hkv=4, d=192, dv=128, page_size=16, lens=[200, 333],
+                                   nan_unused=True), {}),
+    ("decode_mla576_p64", dict(batch=3, hq=16, hkv=1, d=576, dv=512, v_view=True, page_size=64,
+                               lens=[700, 1, 2053], nan_unused=True), dict(scale=0.07)),
+    ("decode_mla576_fp8_p1_h128", dict(batch=2, hq=128, hkv=1, d=576, dv=512, v_view=True, page_size=1,
+                                       lens=[300, 77], kv_dtype=F8, descale="scalar", nan_unused=True), {}),
+    ("verify_mla576_s4", dict(batch=2, q_len=4, hq=16, hkv=1, d=576, dv=512, v_view=True, page_size=16,
+                              lens=[500, 31], nan_unused=True), {}),
+    ("extend_mla576_packed", dict(batch=2, hq=16, hkv=1, d=576, dv=512, v_view=True, page_size=16, packed=True,
+                                  lens=[300, 129], q_lens=[150, 129], nan_unused=True), dict(scale=0.07)),
 ]
 
 
@@ -301,7 +346,7 @@ def test_gpu_matches_reference(name, kw, options):
     t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000)
     plan = _plan_of(t, options)
     assert plan.family in ("triton", "cute"), f"{name}: expected a kernel family, got {plan}"
-    out = torch.full_like(t["q"], float("nan"))
+    out = torch.full(t["q"].shape[:-1] + t["v_cache"].shape[-1:], float("nan"), dtype=t["q"].dtype, device="cuda")
     _, lse = _call(t, options, out=out)
     torch.cuda.synchronize()
     check_close(out, lse, *_reference(t, options), what=f"{name} {plan}")

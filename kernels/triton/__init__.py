@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from b12x_inductor.plan import FP8, HEAD_DIMS, Q_DTYPES_CUDA, next_pow2
+from b12x_inductor.plan import FP8, Q_DTYPES_CUDA, head_dims_supported, next_pow2, prev_pow2
 from b12x_inductor.validate import cache_dims
 
 from . import plan as _plan
@@ -40,8 +40,9 @@ FP8_MIN_CAPABILITY = (8, 9)
 
 def supports(problem) -> bool:
     """Whether the Triton kernels express this problem: CUDA from sm80 on (float8 caches from sm89 on), bf16/fp16
-    q, the cache in q's dtype or float8_e4m3fn, head dims 64-256, NHD or HND, any page size. Elsewhere the torch
-    family runs (fail closed)."""
+    q, the cache in q's dtype or float8_e4m3fn, every head-dim pair of plan.py's table (D 64-256 with Dv
+    64-512, and MLA's D 576 with Dv 512), NHD or HND, any page size. Elsewhere the torch family runs (fail
+    closed)."""
     cap = tuple(problem.capability)
     if problem.device_type != "cuda" or not MIN_CAPABILITY <= cap or cap[0] > MAX_MAJOR:
         return False
@@ -49,9 +50,19 @@ def supports(problem) -> bool:
         return False
     if problem.kv_dtype == FP8 and cap < FP8_MIN_CAPABILITY:
         return False
-    if problem.v_head_dim != problem.head_dim:  # the kernels read v with q's head dim (for now)
-        return False
-    return problem.head_dim in HEAD_DIMS and problem.kv_layout in ("NHD", "HND") and problem.page_size >= 1
+    return (head_dims_supported(problem.head_dim, problem.v_head_dim) and problem.kv_layout in ("NHD", "HND")
+            and problem.page_size >= 1)
+
+
+def d_blocks(d: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_DPE): the column blocks of the q.k product. One power of two covering D up to 256 (96
+    and 192 read 128 and 256 columns, masked); above, a power of two and a tail block from column BLOCK_D on,
+    two products instead of one mostly-padding power of two: D = 576 (MLA's 512 latent + 64 rope columns)
+    is 512 + 64, not 1024 (the split vLLM's and SGLang's Triton MLA decode kernels make)."""
+    if d <= 256:
+        return next_pow2(d), 0
+    main = prev_pow2(d)
+    return main, (next_pow2(d - main) if d > main else 0)
 
 
 def _dot_dtype(q_dtype, kv_dtype):
@@ -107,7 +118,8 @@ class Launch:
     packed: bool
     hq: int
     hkv: int
-    d: int
+    d: int  # q's and k's head dim
+    dv: int  # v's and out's head dim
     page_size: int
     max_pages: int  # the page table's columns (lengths clamp to max_pages * page_size)
     num_pages: int  # pages both caches hold (page ids clamp to [0, num_pages - 1])
@@ -157,9 +169,10 @@ def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
         max(window, 0), options.scale, softcap if softcap > 0 else 1.0,
         x.max_pages, x.num_pages,
     )
+    block_d, block_dpe = d_blocks(x.d)
     flags = dict(CAUSAL=options.causal, USE_WINDOW=window >= 0, USE_SOFTCAP=softcap > 0,
-                 DOT=_dot_dtype(x.q_dtype, x.kv_dtype), D=x.d, BLOCK_D=next_pow2(x.d), PAGE=x.page_size,
-                 HAS_KEY_MASK=x.has_key_mask)
+                 DOT=_dot_dtype(x.q_dtype, x.kv_dtype), D=x.d, BLOCK_D=block_d, PAGE=x.page_size,
+                 HAS_KEY_MASK=x.has_key_mask, BLOCK_DPE=block_dpe, DV=x.dv, BLOCK_DV=next_pow2(x.dv))
     tune = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.mode == "extend":
         tiles = -(-x.q_len // plan.block_m) + x.batch if x.packed else x.batch * -(-x.q_len // plan.block_m)
@@ -183,7 +196,7 @@ def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
                   NUM_SPLITS=splits, **flags)
     merge_grid = (x.batch * x.q_len * x.hq,)
     merge_args = (x.part_o, x.part_l, x.sinks, x.out, x.lse, x.has_sinks)
-    merge_consts = dict(HQ=x.hq, D=x.d, BLOCK_D=next_pow2(x.d), NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits))
+    merge_consts = dict(HQ=x.hq, DV=x.dv, BLOCK_DV=next_pow2(x.dv), NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits))
     merge_tune = dict(num_warps=4, num_stages=1)
     if warmup:
         if compile_with:
@@ -202,8 +215,9 @@ def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
 
 
 def split_partials(scratch: torch.Tensor, rows: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(part_o [rows * D], part_l [rows]) fp32 views of a split-KV scratch (rows: B x S x Hq x splits), the
-    layout both families' split kernels write and the merge kernel reads."""
+    """(part_o [rows * d], part_l [rows]) fp32 views of a split-KV scratch (rows: B x S x Hq x splits; d: the
+    value head dim Dv, the partial outputs' width), the layout both families' split kernels write and the
+    merge kernel reads."""
     part = scratch.view(torch.float32)
     return part[: rows * d], part[rows * d: rows * (d + 1)]
 
@@ -223,9 +237,10 @@ def _launch_of(call) -> Launch:
         km_strides = (km.stride(0), km.stride(1) if km.shape[1] > 1 else 0, km.stride(2))
     if call.mode != "extend" and call.plan.num_splits > 1:
         part_o, part_l = split_partials(call.scratch, batch * q_len * q.shape[-2] * call.plan.num_splits,
-                                        q.shape[-1])
+                                        v_cache.shape[-1])
     return Launch(
-        batch=batch, q_len=q_len, packed=call.packed, hq=q.shape[-2], hkv=hkv, d=q.shape[-1], page_size=page_size,
+        batch=batch, q_len=q_len, packed=call.packed, hq=q.shape[-2], hkv=hkv, d=q.shape[-1], dv=v_cache.shape[-1],
+        page_size=page_size,
         max_pages=pt.shape[1], num_pages=min(k_cache.shape[0], v_cache.shape[0]), q_dtype=q.dtype,
         kv_dtype=k_cache.dtype, q_strides=(0, qs[0], qs[1]) if call.packed else (qs[0], qs[1], qs[2]),
         k_strides=_cache_strides(k_cache.stride(), layout), v_strides=_cache_strides(v_cache.stride(), layout),
@@ -263,16 +278,17 @@ def warmup_launch(problem, options) -> Launch:
     """The Launch `precompile` compiles for: the standard (contiguous) strides of the problem's tensors,
     operands given as dtypes, runtime flags off (kv_start, sinks and descales are runtime flags, so one
     compile serves them all)."""
-    b, s, hq, hkv, d, ps = (problem.batch, problem.q_len, problem.num_q_heads, problem.num_kv_heads,
-                            problem.head_dim, problem.page_size)
+    b, s, hq, hkv, d, dv, ps = (problem.batch, problem.q_len, problem.num_q_heads, problem.num_kv_heads,
+                                problem.head_dim, problem.v_head_dim, problem.page_size)
     cache = _contiguous_strides((1, ps, hkv, d) if problem.kv_layout == "NHD" else (1, hkv, ps, d))
+    v_cache = _contiguous_strides((1, ps, hkv, dv) if problem.kv_layout == "NHD" else (1, hkv, ps, dv))
     q_strides = _contiguous_strides((s, hq, d) if problem.packed else (b, s, hq, d))
     f32, i32 = torch.float32, torch.int32
     return Launch(
-        batch=b, q_len=s, packed=problem.packed, hq=hq, hkv=hkv, d=d, page_size=ps, max_pages=problem.max_pages,
+        batch=b, q_len=s, packed=problem.packed, hq=hq, hkv=hkv, d=d, dv=dv, page_size=ps, max_pages=problem.max_pages,
         num_pages=1, q_dtype=problem.q_dtype, kv_dtype=problem.kv_dtype,
         q_strides=(0, q_strides[0], q_strides[1]) if problem.packed else q_strides[:3],
-        k_strides=_cache_strides(cache, problem.kv_layout), v_strides=_cache_strides(cache, problem.kv_layout),
+        k_strides=_cache_strides(cache, problem.kv_layout), v_strides=_cache_strides(v_cache, problem.kv_layout),
         pt_stride=problem.max_pages, q=problem.q_dtype, k=problem.kv_dtype, v=problem.kv_dtype, pt=i32,
         seqlens=i32, cu=i32, kv_start=i32, sinks=f32, kds=Descale(f32), vds=Descale(f32),
         key_mask=torch.uint8 if problem.key_mask else i32, km_strides=(0, 0, 0), has_key_mask=problem.key_mask,

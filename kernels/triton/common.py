@@ -5,7 +5,9 @@
   value makes a kernel touch memory outside its tensors (the README's "Bad input" states the contract).
 - `tile`: one BLOCK_N-key tile of the online softmax (log2 domain) over the paged cache, with the optional
   key mask (HAS_KEY_MASK: one uint8 row per query row, read for the tile's keys; a key no row of the tile
-  sees has its values replaced by zeros, so whatever the slot holds never reaches a product).
+  sees has its values replaced by zeros, so whatever the slot holds never reaches a product). q and k have
+  head dim D (read as BLOCK_D columns, plus BLOCK_DPE more from column BLOCK_D on where D = 576 = 512 + 64:
+  two products, not one 1024-wide), v and the accumulator DV (BLOCK_DV columns).
 - `finish`: the epilogue of a row's softmax: the sink folded into the denominator, normalized output and
   natural-log lse; a row that saw no key gets zeros and lse = -inf.
 - `RUNTIME_ARGS`: the arguments no kernel specializes on (optional tensors, their flags and strides, the
@@ -43,44 +45,76 @@ def page_id(page, num_pages):
 
 
 @triton.jit
-def tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp, stride_ko,
-         stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left, km_rows, km_j,
-         BLOCK_N: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, MASKED: tl.constexpr,
-         CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT: tl.constexpr,
-         HAS_KEY_MASK: tl.constexpr):
-    """One BLOCK_N-key tile of the online softmax (decode, verify and extend): gathers the tile's K and V
-    through the page table, applies scale, softcap and (MASKED) the kv_start / causal / window masks and the
-    tile end `hi`, and returns the updated (acc, m, l). Unmasked tiles (extend's middle) skip every mask but
-    the key mask (HAS_KEY_MASK: key j of row r visible only where km_rows[r][j * km_j] != 0; offs_n < hi keeps
-    the reads inside the mask's rows, whose length is the page table's capacity)."""
+def q_rows(q_ptr, row_ok, offs_d, d_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr,
+           DOT: tl.constexpr):
+    """The query rows at q_ptr [BLOCK_M] as (q [BLOCK_M, BLOCK_D], q_pe [BLOCK_M, BLOCK_DPE], offs_pe, pe_ok):
+    q_pe holds columns BLOCK_D.. of D (BLOCK_DPE > 0; else q_pe, offs_pe, pe_ok repeat q, offs_d, d_ok,
+    unused)."""
+    q = tl.load(q_ptr[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
+    if BLOCK_DPE > 0:
+        offs_pe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+        pe_ok = offs_pe < D
+        q_pe = tl.load(q_ptr[:, None] + offs_pe[None, :], mask=row_ok[:, None] & pe_ok[None, :], other=0.0).to(DOT)
+    else:
+        offs_pe = offs_d
+        pe_ok = d_ok
+        q_pe = q
+    return q, q_pe, offs_pe, pe_ok
+
+
+@triton.jit
+def tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp, stride_ko,
+         stride_vp, stride_vo, offs_d, d_ok, offs_pe, pe_ok, offs_dv, dv_ok, k_scale, softcap, window_left,
+         km_rows, km_j,
+         BLOCK_N: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+         MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+         DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, BLOCK_DPE: tl.constexpr):
+    """One BLOCK_N-key tile of the online softmax (decode, verify and extend): gathers the tile's K (columns
+    offs_d, and offs_pe with BLOCK_DPE > 0) and V (columns offs_dv) through the page table, applies scale,
+    softcap and (MASKED) the kv_start / causal / window masks and the tile end `hi`, and returns the updated
+    (acc, m, l). Unmasked tiles (extend's middle) skip every mask but the key mask (HAS_KEY_MASK: key j of row
+    r visible only where km_rows[r][j * km_j] != 0; offs_n < hi keeps the reads inside the mask's rows, whose
+    length is the page table's capacity). EVEN_D / EVEN_DV: the column blocks hold no column past D / DV."""
     offs_n = j0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     if MASKED:
         page = page_id(tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0), num_pages)
         kv_mask = n_ok[:, None] & d_ok[None, :]
+        v_mask = n_ok[:, None] & dv_ok[None, :]
     else:
         page = page_id(tl.load(pt_row + offs_n // PAGE), num_pages)
         kv_mask = d_ok[None, :]
+        v_mask = dv_ok[None, :]
     slot = (offs_n % PAGE).to(tl.int64)
-    k_ptrs = k_head + page[:, None] * stride_kp + slot[:, None] * stride_ko + offs_d[None, :]
-    v_ptrs = v_head + page[:, None] * stride_vp + slot[:, None] * stride_vo + offs_d[None, :]
+    k_rows = k_head + page[:, None] * stride_kp + slot[:, None] * stride_ko
+    k_ptrs = k_rows + offs_d[None, :]
+    v_ptrs = v_head + page[:, None] * stride_vp + slot[:, None] * stride_vo + offs_dv[None, :]
     if HAS_KEY_MASK:
         shown = tl.load(km_rows[:, None] + offs_n[None, :].to(tl.int64) * km_j, mask=n_ok[None, :], other=0) != 0
-        v_ok = (tl.max(shown.to(tl.int32), 0) > 0)[:, None] & kv_mask
+        v_ok = (tl.max(shown.to(tl.int32), 0) > 0)[:, None] & v_mask
     if MASKED or not EVEN_D:
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     else:
         k = tl.load(k_ptrs)
     if HAS_KEY_MASK:
         v = tl.load(v_ptrs, mask=v_ok, other=0.0)
-    elif MASKED or not EVEN_D:
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif MASKED or not EVEN_DV:
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     else:
         v = tl.load(v_ptrs)
+    qk = tl.dot(q, tl.trans(k.to(DOT)))
+    if BLOCK_DPE > 0:  # the second column block of q.k (D = 576: the 64 rope columns)
+        if MASKED:
+            k_pe = tl.load(k_rows + offs_pe[None, :], mask=n_ok[:, None] & pe_ok[None, :], other=0.0)
+        elif EVEN_D:
+            k_pe = tl.load(k_rows + offs_pe[None, :])
+        else:
+            k_pe = tl.load(k_rows + offs_pe[None, :], mask=pe_ok[None, :], other=0.0)
+        qk = tl.dot(q_pe, tl.trans(k_pe.to(DOT)), qk)
     if USE_SOFTCAP:
-        logits = softcap * LOG2E * _tanh(tl.dot(q, tl.trans(k.to(DOT))) * (k_scale / softcap))
+        logits = softcap * LOG2E * _tanh(qk * (k_scale / softcap))
     else:
-        logits = tl.dot(q, tl.trans(k.to(DOT))) * (k_scale * LOG2E)
+        logits = qk * (k_scale * LOG2E)
     if MASKED:
         visible = n_ok[None, :] & (offs_n[None, :] >= start)
         if CAUSAL:
@@ -102,7 +136,7 @@ def tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pag
 
 @triton.jit
 def finish(acc, m_i, l_i, sink, v_scale):
-    """(out rows, lse) of a finished online softmax: acc [M, D] and the running max m_i / sum l_i (log2
+    """(out rows, lse) of a finished online softmax: acc [M, DV] and the running max m_i / sum l_i (log2
     domain), with the sink logit (log2 domain; NEG_BIG when absent) in the denominator only and the V descale
     applied. Rows that saw no key: zeros and lse = -inf."""
     seen = l_i > 0.0

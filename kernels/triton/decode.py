@@ -11,6 +11,9 @@ otherwise it writes each split's normalized partial output and log2-sum-exp into
 Key j of request b lives at page page_table[b, j // PAGE] offset j % PAGE; the page id is widened to 64 bits
 before it is multiplied by the cache's page stride. NHD and HND differ only in the strides passed.
 
+q and k have head dim D (BLOCK_D columns, plus BLOCK_DPE from column BLOCK_D on for D = 576), v, out and the
+partials the value head dim DV (BLOCK_DV columns): DV differs from D for MLA (192 / 128, 576 / 512).
+
 The math both kernels share (one tile of the online softmax, the clamped key range, the epilogue) is in
 common.py.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, tile
+from .common import LN2, LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, q_rows, tile
 
 
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
@@ -36,7 +39,8 @@ def split_kernel(
     S: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, BLOCK_DPE: tl.constexpr, DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -52,9 +56,11 @@ def split_kernel(
     hq = h * G + rows % G
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
 
     q_ptr = Q + b.to(tl.int64) * stride_qb + tok.to(tl.int64) * stride_qs + hq.to(tl.int64) * stride_qh
-    q = tl.load(q_ptr[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
+    q, q_pe, offs_pe, pe_ok = q_rows(q_ptr, row_ok, offs_d, d_ok, D, BLOCK_D, BLOCK_DPE, DOT)
 
     length, start = live_range(SEQLENS, KV_START, has_kv_start, b, max_pages, PAGE)
     limit = length - S + tok  # causal limit of each row
@@ -80,12 +86,13 @@ def split_kernel(
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for j0 in range(s_lo, s_hi, BLOCK_N):
-        acc, m_i, l_i = tile(acc, m_i, l_i, q, j0, s_hi, start, limit, k_head, v_head, pt_row, num_pages,
-                              stride_kp, stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
-                              km_rows, km_j,
-                              BLOCK_N, PAGE, False, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT, HAS_KEY_MASK)
+        acc, m_i, l_i = tile(acc, m_i, l_i, q, q_pe, j0, s_hi, start, limit, k_head, v_head, pt_row, num_pages,
+                              stride_kp, stride_ko, stride_vp, stride_vo, offs_d, d_ok, offs_pe, pe_ok, offs_dv, dv_ok,
+                              k_scale, softcap, window_left, km_rows, km_j,
+                              BLOCK_N, PAGE, False, False, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT, HAS_KEY_MASK,
+                              BLOCK_DPE)
 
     seen = l_i > 0.0
     safe_l = tl.where(seen, l_i, 1.0)
@@ -93,26 +100,26 @@ def split_kernel(
     if NUM_SPLITS == 1:
         sink = tl.where(has_sinks != 0, tl.load(SINKS + hq, mask=row_ok, other=0.0) * LOG2E, NEG_BIG)
         o, lse = finish(acc, m_i, l_i, sink, v_scale)
-        tl.store(OUT + out_row[:, None] * D + offs_d[None, :], o.to(OUT.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(OUT + out_row[:, None] * DV + offs_dv[None, :], o.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None] & dv_ok[None, :])
         tl.store(LSE + out_row, lse, mask=row_ok)
     else:
         part = out_row * NUM_SPLITS + split
         o = tl.where(seen[:, None], acc * (v_scale / safe_l)[:, None], 0.0)
-        tl.store(PART_O + part[:, None] * D + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(PART_O + part[:, None] * DV + offs_dv[None, :], o, mask=row_ok[:, None] & dv_ok[None, :])
         tl.store(PART_L + part, tl.where(seen, m_i + tl.log2(safe_l), float("-inf")), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["SINKS", "has_sinks"])
 def merge_kernel(
     PART_O, PART_L, SINKS, OUT, LSE, has_sinks,
-    HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    HQ: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # (b * S + token) * Hq + head
     offs_s = tl.arange(0, SPLITS_P2)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_DV)
     s_ok = offs_s < NUM_SPLITS
-    d_ok = offs_d < D
+    d_ok = offs_d < DV
     part_l = tl.load(PART_L + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(part_l, 0)
     seen = m > float("-inf")
@@ -125,9 +132,9 @@ def merge_kernel(
     denom = denom * tl.exp2(m_f - m_new) + tl.exp2(sink - m_new)
     m_f = m_new
     denom = tl.where(seen, denom, 1.0)
-    part_o = tl.load(PART_O + (row * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :],
+    part_o = tl.load(PART_O + (row * NUM_SPLITS + offs_s)[:, None] * DV + offs_d[None, :],
                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     o = tl.sum(part_o * (w / denom)[:, None], 0)
     o = tl.where(seen, o, 0.0)
-    tl.store(OUT + row * D + offs_d, o.to(OUT.dtype.element_ty), mask=d_ok)
+    tl.store(OUT + row * DV + offs_d, o.to(OUT.dtype.element_ty), mask=d_ok)
     tl.store(LSE + row, tl.where(seen, (m_f + tl.log2(denom)) * LN2, float("-inf")))

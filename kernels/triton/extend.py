@@ -9,6 +9,9 @@ causal diagonal), so the middle, which holds most of the work, computes no masks
 Packed q [T, Hq, D]: the grid is fixed by the capacity, cdiv(T, BLOCK_M) + B tiles, and each program maps
 its tile to a request on the device from cu_seqlens_q (a prefix sum of the per-request tile counts); the
 programs left over write zeros and lse = -inf into the padding rows past cu_seqlens_q[-1].
+
+q and k have head dim D (BLOCK_D columns, plus BLOCK_DPE from column BLOCK_D on for D = 576), v and out the
+value head dim DV (BLOCK_DV columns).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, tile
+from .common import LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, q_rows, tile
 
 
 @triton.jit(do_not_specialize=["CU"] + RUNTIME_ARGS)
@@ -32,7 +35,8 @@ def extend_kernel(
     B: tl.constexpr, S: tl.constexpr, B_P2: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PACKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr,
+    DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, BLOCK_DPE: tl.constexpr, DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     hq = tl.program_id(0)
     t = tl.program_id(1)
@@ -40,6 +44,8 @@ def extend_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
 
     if PACKED:
         idx = tl.arange(0, B_P2)
@@ -74,8 +80,8 @@ def extend_kernel(
         pad = end + (t - total) * BLOCK_M + offs_m
         pad_ok = pad < S
         pad64 = pad.to(tl.int64) * HQ + hq
-        tl.store(OUT + pad64[:, None] * D + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(
-            OUT.dtype.element_ty), mask=pad_ok[:, None] & d_ok[None, :])
+        tl.store(OUT + pad64[:, None] * DV + offs_dv[None, :], tl.zeros([BLOCK_M, BLOCK_DV], tl.float32).to(
+            OUT.dtype.element_ty), mask=pad_ok[:, None] & dv_ok[None, :])
         tl.store(LSE + pad64, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=pad_ok)
     else:
         rows = mt * BLOCK_M + offs_m
@@ -84,7 +90,7 @@ def extend_kernel(
             q_ptr = Q + (row0 + rows) * stride_qs + hq.to(tl.int64) * stride_qh
         else:
             q_ptr = Q + b.to(tl.int64) * stride_qb + rows.to(tl.int64) * stride_qs + hq.to(tl.int64) * stride_qh
-        q = tl.load(q_ptr[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
+        q, q_pe, offs_pe, pe_ok = q_rows(q_ptr, row_ok, offs_d, d_ok, D, BLOCK_D, BLOCK_DPE, DOT)
 
         length, start = live_range(SEQLENS, KV_START, has_kv_start, b, max_pages, PAGE)
         limit = length - n_b + rows
@@ -110,30 +116,34 @@ def extend_kernel(
         v_head = V + h.to(tl.int64) * stride_vh
         pt_row = PT + b.to(tl.int64) * stride_ptb
         km_rows = KM + b.to(tl.int64) * km_b + tl.minimum(rows, S - 1).to(tl.int64) * km_s  # 4-D q only
-        EVEN_D: tl.constexpr = BLOCK_D == D
+        EVEN_D: tl.constexpr = BLOCK_D + BLOCK_DPE == D
+        EVEN_DV: tl.constexpr = BLOCK_DV == DV
 
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         for j0 in range(lo, tl.minimum(u0, hi), BLOCK_N):
-            acc, m_i, l_i = tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
-                                  stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
-                              km_rows, km_j,
-                                  BLOCK_N, PAGE, EVEN_D, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT, HAS_KEY_MASK)
+            acc, m_i, l_i = tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, num_pages,
+                                  stride_kp, stride_ko, stride_vp, stride_vo, offs_d, d_ok, offs_pe, pe_ok, offs_dv,
+                                  dv_ok, k_scale, softcap, window_left, km_rows, km_j,
+                                  BLOCK_N, PAGE, EVEN_D, EVEN_DV, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT,
+                                  HAS_KEY_MASK, BLOCK_DPE)
         for j0 in range(u0, u1, BLOCK_N):
-            acc, m_i, l_i = tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
-                                  stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
-                              km_rows, km_j,
-                                  BLOCK_N, PAGE, EVEN_D, False, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT, HAS_KEY_MASK)
+            acc, m_i, l_i = tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, num_pages,
+                                  stride_kp, stride_ko, stride_vp, stride_vo, offs_d, d_ok, offs_pe, pe_ok, offs_dv,
+                                  dv_ok, k_scale, softcap, window_left, km_rows, km_j,
+                                  BLOCK_N, PAGE, EVEN_D, EVEN_DV, False, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT,
+                                  HAS_KEY_MASK, BLOCK_DPE)
         for j0 in range(tl.maximum(u1, lo), hi, BLOCK_N):
-            acc, m_i, l_i = tile(acc, m_i, l_i, q, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp,
-                                  stride_ko, stride_vp, stride_vo, offs_d, d_ok, k_scale, softcap, window_left,
-                              km_rows, km_j,
-                                  BLOCK_N, PAGE, EVEN_D, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT, HAS_KEY_MASK)
+            acc, m_i, l_i = tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, num_pages,
+                                  stride_kp, stride_ko, stride_vp, stride_vo, offs_d, d_ok, offs_pe, pe_ok, offs_dv,
+                                  dv_ok, k_scale, softcap, window_left, km_rows, km_j,
+                                  BLOCK_N, PAGE, EVEN_D, EVEN_DV, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT,
+                                  HAS_KEY_MASK, BLOCK_DPE)
 
         sink = tl.where(has_sinks != 0, tl.load(SINKS + hq) * LOG2E, NEG_BIG)
         o, lse = finish(acc, m_i, l_i, sink, v_scale)
         out_row = (row0 + rows) * HQ + hq
-        tl.store(OUT + out_row[:, None] * D + offs_d[None, :], o.to(OUT.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(OUT + out_row[:, None] * DV + offs_dv[None, :], o.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None] & dv_ok[None, :])
         tl.store(LSE + out_row, lse, mask=row_ok)

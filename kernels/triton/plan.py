@@ -5,6 +5,12 @@ Decode/verify are bound by the KV bytes: split-KV programs (B x Hkv x M-tiles x 
 8 per SM, the split count a power of two (uneven splits and part waves cost), each split at least 256 keys
 of capacity. float8 caches take 128-key tiles (half the bytes per key). Extend: 128 x 128 tiles for D <= 128,
 64 x 32 above.
+
+The tiles follow the wider of the two head dims, max(D, Dv) (D for plain GQA). Above 256 (MLA's absorbed
+D = 576 / Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take 16 query rows by
+16 keys with 4 warps and extend 32 x 16 with 8 warps: the largest tiles that compile for sm90 without
+register spills (ptxas -v: 16 x 32 keys with 4 warps, SGLang's Triton MLA decode tile, spills 504 bytes a
+thread; 32 x 32 extend 204), with 26-55 KB of shared memory. Not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -25,8 +31,17 @@ def plan(problem: Problem, **tiles) -> Plan:
 
 
 def _plan(problem: Problem) -> Plan:
-    mode, d = problem.mode, problem.head_dim
+    mode, d = problem.mode, max(problem.head_dim, problem.v_head_dim)
     fp8 = problem.kv_dtype == FP8
+    if d > 256:  # MLA's latent head dims
+        if mode == "extend":
+            return Plan(mode=mode, family="triton", num_splits=1, block_m=32, block_n=16, num_warps=8,
+                        num_stages=2, scratch_bytes=0)
+        block_m = 16
+        m_tiles = -(-problem.q_len * problem.group // block_m)
+        splits = num_splits(problem, problem.batch * problem.num_kv_heads * m_tiles)
+        return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=16, num_warps=4,
+                    num_stages=2, scratch_bytes=split_scratch_bytes(problem, splits))
     if mode == "extend":
         if d <= 128:
             return Plan(mode=mode, family="triton", num_splits=1, block_m=128, block_n=128, num_warps=8,
