@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ CASES = {
 @pytest.mark.parametrize("q_len", [1, 3])
 @pytest.mark.parametrize("case", list(CASES))
 def test_reference_matches_naive_loop(case, q_len):
-    args = make_problem(batch=2, q_len=q_len, hq=4, hkv=2, d=64, page_size=3, max_pages=4, seed=hash(case) % 1000)
+    args = make_problem(batch=2, q_len=q_len, hq=4, hkv=2, d=64, page_size=3, max_pages=4, seed=zlib.crc32(case.encode()) % 1000)
     opts = CASES[case]
     if opts == "kv_start":
         opts = dict(kv_start=torch.tensor([1, 2], dtype=torch.int32))
