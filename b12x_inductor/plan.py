@@ -173,10 +173,15 @@ def select_plan(problem: Problem) -> Plan:
 def family_plan(problem: Problem, family: str, **tiles) -> Plan:
     """The plan of one kernel family for a problem, with `tiles` (num_splits, block_m, block_n, num_warps,
     num_stages) replacing its choices and the scratch sized for them. `select_plan` alone decides which
-    family runs; this is what tests and benchmarks call to run a family, or tiles, it would not pick."""
+    family runs; this is what tests and benchmarks call to run a family, or tiles, it would not pick. A
+    family whose `supports` refuses the problem raises: its kernels would not honor it."""
     from b12x_inductor.kernels import family as family_of
 
-    return family_of(family).plan(problem, **tiles)
+    chosen = family_of(family)
+    if not chosen.supports(problem):
+        raise ValueError(f"paged_attention: the {family} family does not express this problem ({problem}); "
+                         f"select_plan picks a family that does")
+    return chosen.plan(problem, **tiles)
 
 
 def with_tiles(problem: Problem, plan: Plan, tiles: dict, *, always_split: bool = False) -> Plan:

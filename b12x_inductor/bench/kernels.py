@@ -235,7 +235,7 @@ def b12x_call(s, mode, variant=None, family=None):
     the_call = kernels.Call(
         q=s["q"], k_cache=s["k_cache"], v_cache=s["v_cache"], page_table=s["page_table"],
         cache_seqlens=s["cache_seqlens"], cu_seqlens_q=None, kv_start=None, sinks=None, k_descale=s["k_descale"],
-        v_descale=s["v_descale"], out=out, lse=torch.empty(s["q"].shape[:-1], dtype=torch.float32, device=DEVICE),
+        v_descale=s["v_descale"], key_mask=None, out=out, lse=torch.empty(s["q"].shape[:-1], dtype=torch.float32, device=DEVICE),
         scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=DEVICE),
         options=kernels.Options(kv_layout="NHD", causal=True, scale=D**-0.5, window_left=-1, softcap=0.0),
         plan=plan)

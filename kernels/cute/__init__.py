@@ -450,6 +450,9 @@ class CuteFamily:
         precompile(problem, plan, options)
 
     def run(self, call) -> None:
+        if call.key_mask is not None or call.v_cache.shape[-1] != call.k_cache.shape[-1]:
+            raise ValueError("paged_attention: the cute family takes no key_mask and no value head dim apart from "
+                             "the key's (supports() refuses them; select_plan picks the Triton family)")
         run(call.mode, call.inputs(), out=call.out, lse=call.lse, scratch=call.scratch,
             options=call.options.as_kwargs(), plan=call.plan.constants())
 
