@@ -402,3 +402,46 @@ def test_write_kv_dv(kv_layout):
     assert torch.equal(k_cache, ek) and torch.equal(v_cache, ev)
     page, off = 17 // 4, 17 % 4
     assert torch.equal(v_cache[page, off] if kv_layout == "NHD" else v_cache[page, :, off], v[2])
+
+
+# ---- transformers' DeepSeek-V3 (non-absorbed: q/k head dim 192, v head dim 128) ----
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_deepseek_v3_tokens_equal_eager(cache):
+    """A tiny DeepSeek-V3 (MLA with q/k head dim 128 + 64 rope = 192 and v head dim 128, a small MoE) generates
+    the same greedy tokens with attn_implementation="b12x" as with eager attention, on a left-padded batch,
+    and every attention call ran on the b12x op (2 layers x (prefill + 5 decode steps))."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import b12x_inductor.integrations.hf  # noqa: F401  (registers "b12x")
+
+    config = AutoConfig.for_model(
+        "deepseek_v3", vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=64, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=256, n_group=1, topk_group=1,
+        rope_scaling=None, initializer_range=0.1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(1, 256, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :3] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False,
+              **({"cache_implementation": "static"} if cache == "static" else {}))
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += func.namespace == "b12x"
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        eager = model.generate(ids, **kw)
+        model.set_attn_implementation("b12x")
+        with Count():
+            ours = model.generate(ids, **kw)
+    assert torch.equal(ours, eager), (ours, eager)
+    assert Count.calls == 2 * 6, Count.calls
