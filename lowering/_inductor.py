@@ -15,6 +15,8 @@
 - `cache_dir(path)`: Inductor's and Triton's on-disk caches in `path` for a block (the engine's compile cache).
 - `more_recompiles(entries)`: Dynamo's recompile limits raised by `entries` for a block (the engine's and
   the benchmarks' warm-ups compile one entry per bucket of the same code), scoped, never process-wide.
+- `count_in_cache_entry(key)`: counts `key` in counters["inductor"], whose deltas over one compile Inductor
+  stores with that graph's FX cache entry and adds back (unpickling the key) when a later process loads it.
 """
 
 from __future__ import annotations
@@ -141,3 +143,12 @@ def more_recompiles(entries: int):
     dyn = torch._dynamo.config
     return dyn.patch(recompile_limit=dyn.recompile_limit + entries,
                      accumulated_recompile_limit=dyn.accumulated_recompile_limit + 4 * entries)
+
+
+def count_in_cache_entry(key) -> None:
+    """Counts `key` (hashable, picklable) once in counters["inductor"] during the current compile: Inductor
+    keeps the compile's counter deltas in its FX graph cache entry (CompiledFxGraph.counter_deltas) and, on a
+    cache hit, adds them back, which unpickles `key` in the loading process."""
+    from torch._dynamo.utils import counters
+
+    counters["inductor"][key] += 1

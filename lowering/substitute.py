@@ -465,10 +465,9 @@ class SdpaSubstitution:
 REWRITE = SdpaSubstitution()
 
 
-# Decisions survive Inductor's FX graph cache: the pass counts one `_Record` (a str) in counters["inductor"]
-# while Inductor compiles; Inductor stores that compile's counter deltas in the cache entry and adds them
-# back when it loads the entry, unpickling the key, and unpickling a _Record calls `_replay`, which hands
-# its decisions to `REWRITE.replayed`. (Unpickled in another process with the same package installed.)
+# Decisions survive Inductor's FX graph cache: the pass counts one `_Record` (a str) into the cache entry
+# (`_inductor.count_in_cache_entry`); a process that loads the entry unpickles it, and unpickling a _Record
+# calls `_replay`, which hands its decisions to `REWRITE.replayed`.
 
 class _Record(str):
     def __reduce__(self):
@@ -476,10 +475,8 @@ class _Record(str):
 
 
 def _record(decisions) -> None:
-    from torch._dynamo.utils import counters
-
     payload = [dataclasses.asdict(d) for d in decisions]
-    counters["inductor"][_Record("b12x substitution decisions " + json.dumps(payload))] += 1
+    _inductor.count_in_cache_entry(_Record("b12x substitution decisions " + json.dumps(payload)))
 
 
 def _replay(key: str) -> _Record:
