@@ -161,7 +161,8 @@ def layer_view(info: dict, layer: int) -> dict:
 
 
 # -- regional compilation ---------------------------------------------------------------------------------------
-# ServeConfig(regional_compile=True): each decoder layer's forward is `_served_layer`, which hands its own
+# Regional compile (ServeConfig.regional_compile: the default where the decoder keeps a ModuleList `layers`;
+# True requires it): each decoder layer's forward is `_served_layer`, which hands its own
 # slice of the step's info (layer_view) and the layer module to one compiled function, `_layer_region`. Dynamo
 # guards on what the layer's code reads (shapes, dtypes, the window and other constants), not on which layer
 # it is (parameters are inputs), so all layers of one kind share one graph per bucket: a 16-layer model
