@@ -112,9 +112,7 @@ def bool_mask_of(bias, fill: float = float("-inf")) -> fx.Node | None:
     """The bool mask M where the additive bias is `where(M, 0, fill)` (or `where(logical_not(M), fill, 0)`)
     with fill rounded to the bias's dtype, under expands; else None. fill -inf: ATen's conversion of a bool
     mask for the CPU flash and efficient forms; CUDNN_MASK_FILL: the cuDNN form's."""
-    bias = skip_noops(bias)
-    while _target(bias) is aten.expand.default:
-        bias = skip_noops(bias.args[0])
+    bias = skip_expands(bias)
     if _target(bias) not in (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar):
         return None
     dtype = bias.meta["val"].dtype
@@ -151,6 +149,14 @@ def skip_noops(node):
             node = node.args[0]
         else:
             return node
+
+
+def skip_expands(node):
+    """The node below noops and expands (which only broadcast: what lies below broadcasts the same way)."""
+    node = skip_noops(node)
+    while _target(node) is aten.expand.default:
+        node = skip_noops(node.args[0])
+    return node
 
 
 def unrepeat_kv(node: fx.Node) -> tuple[fx.Node, int]:

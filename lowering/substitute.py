@@ -45,8 +45,8 @@ from b12x_inductor.plan import HEAD_DIMS
 
 from . import _inductor
 from .mask_proof import Unprovable, position_forms, prove_causal
-from .sdpa_patterns import (CUDNN_MASK_FILL, SdpaCall, bool_mask_of, cudnn_bool_mask, is_math_form, match, skip_noops,
-                            unrepeat_kv)
+from .sdpa_patterns import (CUDNN_MASK_FILL, SdpaCall, bool_mask_of, cudnn_bool_mask, is_math_form, match,
+                            skip_expands, skip_noops, unrepeat_kv)
 
 log = logging.getLogger("b12x_inductor.substitute")
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -166,9 +166,7 @@ def _read_mask(call: SdpaCall, k, v, geometry: str, b: int, s: int, length: int)
         if mask is None:
             return ("an additive mask that is not a bool mask's 0 / -inf form: its values are unknown at "
                     "compile time")
-    base = skip_noops(mask)
-    while base.op == "call_function" and base.target is aten.expand.default:
-        base = skip_noops(base.args[0])
+    base = skip_expands(mask)
     shape = _static(_val(base).shape) if _val(base) is not None else None
     if shape is None or len(shape) > 4:
         return f"the mask's shape {shape} is not static or has more than 4 dims"

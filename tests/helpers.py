@@ -154,3 +154,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def serve_counting_syncs(engine, requests):
+    """engine.serve(requests) on CUDA under torch's sync debug mode "warn": (its report, the sync warnings)."""
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = engine.serve(requests)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return report, [w for w in caught if "synchroniz" in str(w.message)]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import random
-import warnings
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from b12x_inductor.serve import Engine, Request, ServeConfig
 from b12x_inductor.serve.draft import NgramIndex, prompt_lookup
 from b12x_inductor.serve.pages import PageAllocator
 from b12x_inductor.serve.scheduler import Scheduler
-from helpers import one_thread
+from helpers import one_thread, serve_counting_syncs
 
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
@@ -366,14 +365,7 @@ def test_gpu_cuda_graphs_bf16():
     engine.warmup()
     graphs = counters["stats"]["unique_graphs"]
     requests = _requests(rate=50.0)
-    torch.cuda.set_sync_debug_mode("warn")  # one host read per step: the sampled tokens
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            report = engine.serve(requests)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    report, syncs = serve_counting_syncs(engine, requests)  # one host read per step: the sampled tokens
     assert 0 < len(syncs) <= report.steps, [str(w.message) for w in syncs[:3]]
     assert counters["stats"]["unique_graphs"] == graphs == len(engine.runner.buckets)
     assert not counters["graph_break"] and not counters["inductor"]["cudagraph_skips"]

@@ -157,7 +157,7 @@ def test_gpu_regional_compile_one_cuda_graph_per_step():
     """On CUDA in bf16 with regional compile: each bucket is one CUDA graph captured around the whole step,
     serving replays it (the compiled forward is never called), at most one synchronizing call per step, and
     every served token is transformers' (SDPA) greedy choice up to bf16 near-ties, checked by teacher forcing."""
-    import warnings
+    from helpers import serve_counting_syncs
 
     from torch._dynamo.utils import counters
 
@@ -175,14 +175,7 @@ def test_gpu_regional_compile_one_cuda_graph_per_step():
 
     runner.forward = refuse
     requests = _requests()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            served = engine.serve(requests)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    served, syncs = serve_counting_syncs(engine, requests)
     assert 0 < len(syncs) <= served.steps, [str(w.message) for w in syncs[:3]]
     assert engine.pools_free and not counters["graph_break"]
     for r in requests:

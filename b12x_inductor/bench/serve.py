@@ -53,6 +53,7 @@ import time
 import torch
 
 from b12x_inductor.serve import Engine, Request, ServeConfig
+from b12x_inductor.serve.__main__ import add_compile_arguments
 from b12x_inductor.serve.engine import percentile
 from b12x_inductor.serve.workload import gpt_oss_config, llama_config, random_model, synthetic_requests
 
@@ -306,14 +307,7 @@ def main(argv) -> None:
     p.add_argument("--systems", help="comma-separated: static, generate_batch, b12x (b12x includes b12x+lookup); "
                    "default: all three for llama, b12x for gpt-oss")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compile-cache", metavar="DIR", help="b12x: load compiled artifacts from DIR before warm-up, "
-                   "save them there after it (ServeConfig.compile_cache)")
-    how = p.add_mutually_exclusive_group()
-    how.add_argument("--regional-compile", dest="regional_compile", action="store_const", const=True, default=None,
-                     help="b12x: one compiled decoder layer per bucket, reused for every layer (ServeConfig."
-                     "regional_compile; the default where the model keeps its layers in a ModuleList)")
-    how.add_argument("--whole-model-compile", dest="regional_compile", action="store_const", const=False,
-                     help="b12x: the whole model compiled per bucket")
+    add_compile_arguments(p, "b12x: ")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="print one table from runs split by --systems")
     args = p.parse_args(argv)

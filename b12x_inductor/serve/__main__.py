@@ -42,6 +42,20 @@ _DEMO = {
 }
 
 
+def add_compile_arguments(p, who: str = "") -> None:
+    """--compile-cache DIR and --regional-compile / --whole-model-compile (ServeConfig.compile_cache and
+    regional_compile), for this CLI and `bench serve` (`who`: a prefix of the help texts)."""
+    p.add_argument("--compile-cache", metavar="DIR", help=f"{who}load compiled artifacts from DIR before warm-up and "
+                   "save them there after it (copy DIR to another machine of the same kind to start it warm)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--regional-compile", dest="regional_compile", action="store_const", const=True, default=None,
+                     help=f"{who}compile one decoder layer per bucket and reuse it for every layer (less compile "
+                     "work; the step is still one CUDA graph); the default where the model keeps its layers in a "
+                     "ModuleList")
+    how.add_argument("--whole-model-compile", dest="regional_compile", action="store_const", const=False,
+                     help=f"{who}compile the whole model per bucket instead")
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m b12x_inductor.serve", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -68,14 +82,7 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, help="CPU threads (default on CPU: 1; small models gain nothing from "
                    "more and lose much when the cores are shared)")
     p.add_argument("--no-compile", action="store_true", help="run eagerly (debugging)")
-    p.add_argument("--compile-cache", metavar="DIR", help="load compiled artifacts from DIR before warm-up and save "
-                   "them there after it (copy DIR to another machine of the same kind to start it warm)")
-    how = p.add_mutually_exclusive_group()
-    how.add_argument("--regional-compile", dest="regional_compile", action="store_const", const=True, default=None,
-                     help="compile one decoder layer per bucket and reuse it for every layer (less compile work; "
-                     "the step is still one CUDA graph); the default where the model keeps its layers in a ModuleList")
-    how.add_argument("--whole-model-compile", dest="regional_compile", action="store_const", const=False,
-                     help="compile the whole model per bucket instead")
+    add_compile_arguments(p)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p.parse_args(argv)
