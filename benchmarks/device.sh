@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the project, run the GPU tests and the benchmarks, keep the logs.
-#   bash benchmarks/device.sh [tests] [kernel-tests] [other-tests] [sanitize] [kernels] [hf] [gptfast] [serve]
+#   bash benchmarks/device.sh [tests] [kernel-tests] [other-tests] [sanitize] [kernels] [mla] [hf] [gptfast] [serve]
 #   (default: tests kernels hf gptfast serve)
 # Logs go to $OUT (the device tool's output folder) or benchmarks/results/raw when unset.
 # Carry `.whl` (expecttest) and `.device/peers` (FlashInfer) with the call: ../shared/device/README.md.
@@ -42,6 +42,7 @@ for part in $parts; do
         --report-api-errors no --target-processes all --print-limit 20 python3 -m pytest -q -p no:cacheprovider -m gpu -x $kernel_tests \
         ${SANITIZE_K:+-k "$SANITIZE_K"} 2>&1 | tee "$out/gpu-sanitizer.log" | tail -30 ;;
     kernels) python3 -m b12x_inductor.bench --out "$out/kernels.json" 2>&1 | tee "$out/bench-kernels.log" ;;
+    mla) python3 -m b12x_inductor.bench mla --out "$out" 2>&1 | tee "$out/bench-mla.log" ;;
     gptfast) python3 -m b12x_inductor.bench gptfast --out "$out/gptfast.json" 2>&1 | tee "$out/bench-gptfast.log" ;;
     *) python3 -m b12x_inductor.bench "$part" --quick --out "$out/$part.json" 2>&1 | tee "$out/bench-$part.log" ;;
   esac
