@@ -41,7 +41,7 @@ for part in $parts; do
     sanitize) GPU_FUZZ_PER_FAMILY=${GPU_FUZZ_PER_FAMILY:-40} OMP_NUM_THREADS=1 timeout 560 $sanitizer --tool memcheck \
         --report-api-errors no --target-processes all --print-limit 20 python3 -m pytest -q -p no:cacheprovider -m gpu -x $kernel_tests \
         ${SANITIZE_K:+-k "$SANITIZE_K"} 2>&1 | tee "$out/gpu-sanitizer.log" | tail -30 ;;
-    kernels) python3 -m b12x_inductor.bench --out "$out/kernels.json" 2>&1 | tee "$out/bench-kernels.log" ;;
+    kernels) python3 -m b12x_inductor.bench --out "$out" 2>&1 | tee "$out/bench-kernels.log" ;;
     mla) python3 -m b12x_inductor.bench mla --out "$out" 2>&1 | tee "$out/bench-mla.log" ;;
     gptfast) python3 -m b12x_inductor.bench gptfast --out "$out/gptfast.json" 2>&1 | tee "$out/bench-gptfast.log" ;;
     *) python3 -m b12x_inductor.bench "$part" --quick --out "$out/$part.json" 2>&1 | tee "$out/bench-$part.log" ;;
