@@ -1,30 +1,53 @@
 """The kernel benchmark (default suite): `python -m b12x_inductor.bench [kernels] [options]`.
 
-Rows (Hq=32, Hkv=8, D=128, page 16, bf16, random page order): decode B x L in 1x32768, 8x8192, 32x4096,
-64x2048, 128x1024, 16x16384; verify S=4 in 8x8192, 32x4096, 64x2048; extend causal (q_len = kv_len) in
-4x4096, 1x16384; the decode rows again with a float8_e4m3fn cache.
+Rows (bf16, random page order; each row carries its Shape: Hq, Hkv, D, page size, window, sinks):
+- decode, verify, extend, fp8 (the default rows: Hq=32, Hkv=8, D=128, page 16, no window, no sinks): decode
+  B x L in 1x32768, 8x8192, 32x4096, 64x2048, 128x1024, 16x16384; verify S=4 in 8x8192, 32x4096, 64x2048;
+  extend causal (q_len = kv_len) in 4x4096, 1x16384; the decode rows again with a float8_e4m3fn cache.
+- models (model-shaped rows, labelled with the model shape):
+  gpt-oss-120b (Hq 64, Hkv 8, D 64, learned attention sinks: one float32 logit per query head): its
+  sliding-window layers ("gpt-oss swa128": window 128, i.e. window_left=127, a query sees itself and the 127
+  keys before) and its full layers ("gpt-oss full"), each in decode 32x4096 and 8x16384 and verify S=4 32x4096;
+  Gemma 2/3 9B-12B class ("gemma D256": Hq 16, Hkv 8, D 256) decode 32x4096, 8x8192 and extend 4x4096 (full
+  causal prefill); Qwen2-7B ("qwen2 gqa7": Hq 28, Hkv 4, D 128) decode 32x4096, 8x8192, 1x32768.
+- nosinks (not in the default --rows): the gpt-oss rows without sinks, labelled "(no sinks)", so FlashInfer's
+  plain decode/prefill wrappers can be compared on the window alone.
+The sinks are drawn around log(keys a decode query sees) so that they carry a good part of the softmax mass:
+an implementation that dropped them would fail the reference check (small sinks would hide that).
 
 Side by side in one process: b12x (the public op, the plan select_plan picks), SDPA over a contiguous
-exact-length cache, FlexAttention (compiled, same contiguous cache) and FlashInfer (decode wrapper with
-tensor cores; prefill wrapper with the fa2 and fa3 backends), whichever import. Each result is checked
-against the reference (on two requests, or for extend the first and last query rows of one) before it is
-timed. Timing: one CUDA graph replays the call over rotating input sets that together exceed the 60 MB
-L2, CUDA events, the median of the replays. The device copy bandwidth is measured in the same run.
-Prints a progress line per row, then writes JSON and a PNG chart.
+exact-length cache (the window as an explicit boolean mask; sinks: n/a), FlexAttention (compiled, same
+contiguous cache, the window as a mask_mod; sinks: n/a) and FlashInfer (decode wrapper with tensor cores;
+prefill wrapper with the fa2 and fa3 backends; the window as plan(window_left=...); for sink rows
+BatchAttentionWithAttentionSinkWrapper, fa2 and fa3, as "flashinfer-sink-fa2/-fa3", and the plain wrappers
+marked n/a: their fa2/fa3 paths take a sinks= argument but ignore it), whichever import. An implementation
+that cannot run a row's problem is recorded as "n/a: <reason>" (JSON entry {"na": ...} and the printed line),
+never dropped. Each result is checked against the reference, window and sinks included (on two requests, or
+for extend the first and last query rows of one), before it is timed. Timing: one CUDA graph replays the call
+over rotating input sets whose touched bytes together exceed the 60 MB L2 (at most 64 sets; 2 in a CPU dry
+run), CUDA events, the median of the replays. The device copy bandwidth is measured in the same run.
+Metrics: decode and verify rows report TB/s over the bytes a call must touch (K/V of the keys inside the
+window: min(L, window_left + S) keys a request, so min(L, window + 1) for decode; all L keys without a window;
+plus q read and out written), extend rows TFLOP/s over the causal triangle (with a window, the keys each query
+sees). Prints a progress line per row, then writes JSON (each row with its model tag and shape) and a PNG chart.
 
-Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8 (default all), --peers
-sdpa,flex,flashinfer (default all importable), --families triton,cute (each family's own plan side by side),
---variants (tuning: other plan constants), --head-dim (D of every row, default 128), --page-size (keys per
-page, default 16), --extend-rows (other extend rows, 'BxL[:S],...': S new tokens on L keys, a chunked prefill
-when S < L), --profile (no timing: after its reference check each implementation runs once more inside an NVTX
-range named after it, for
+Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8,models (default; also nosinks),
+--peers sdpa,flex,flashinfer (default all importable), --families triton,cute (each family's own plan side by
+side), --variants (tuning: other plan constants), --head-dim (D of the default rows, default 128), --page-size
+(keys per page of every row, default 16), --extend-rows (other default extend rows, 'BxL[:S],...': S new tokens
+on L keys, a chunked prefill when S < L), --sizes BxL (dry run: every row that size, duplicates dropped),
+--flex-rows (only these row labels get FlexAttention), --tag (JSON/PNG name), --profile (no timing: after its
+reference check each implementation runs once more inside an NVTX range named after it, for
 `ncu --nvtx --nvtx-include "b12x-cute/" python -m b12x_inductor.bench ... --profile`),
---warm-peers (JIT-build FlashInfer's modules and exit).
+--warm-peers (JIT-build FlashInfer's modules for the selected rows and exit).
+B12X_BENCH_DEVICE=cpu runs the harness on the CPU (a dry run: the b12x op runs its torch family, wall-clock
+timing, no bandwidth figure).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -35,28 +58,142 @@ import time
 
 import torch
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
 L2_BYTES = 60 * 2**20
+MAX_SETS = 64  # rotating input sets per row, at most (a windowed row touches little of each set)
 PROFILE = False  # --profile: one call per implementation in an NVTX range instead of timing
 DEVICE = os.environ.get("B12X_BENCH_DEVICE", "cuda")  # "cpu": a dry run of the harness (wall-clock timing)
+DEFAULT_ROWS = "decode,verify,extend,fp8,models"
+ROW_GROUPS = ("decode", "verify", "extend", "fp8", "models", "nosinks")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The attention problem of a row apart from its sizes: heads, head dim, page size, window, sinks."""
+
+    hq: int = 32
+    hkv: int = 8
+    d: int = 128
+    page: int = 16
+    window_left: int = -1  # paged_attention's window_left: >= 0 keeps keys j >= c - window_left; -1 none
+    sinks: bool = False  # one float32 sink logit per query head (paged_attention's sinks=)
+
+    def as_json(self) -> dict:
+        return dict(hq=self.hq, hkv=self.hkv, d=self.d, page_size=self.page, window_left=self.window_left,
+                    sinks=self.sinks)
+
+
+DEFAULT_SHAPE = Shape()  # the default rows (--head-dim and --page-size replace d and page)
 DECODE_ROWS = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 1024), (16, 16384)]
 VERIFY_ROWS = [(8, 8192), (32, 4096), (64, 2048)]
 EXTEND_ROWS = [(4, 4096), (1, 16384)]
+
+GPT_OSS_SWA = Shape(hq=64, hkv=8, d=64, window_left=127, sinks=True)  # gpt-oss-120b sliding layers (window 128)
+GPT_OSS_FULL = Shape(hq=64, hkv=8, d=64, sinks=True)  # gpt-oss-120b full layers
+GEMMA_D256 = Shape(hq=16, hkv=8, d=256)  # Gemma 2 9B / Gemma 3 12B class, full layers
+QWEN2_GQA7 = Shape(hq=28, hkv=4, d=128)  # Qwen2-7B
+MODEL_ROWS = [  # (model tag of the label, shape, mode, q_len (None: = L), [(B, L)])
+    ("gpt-oss swa128", GPT_OSS_SWA, "decode", 1, [(32, 4096), (8, 16384)]),
+    ("gpt-oss swa128", GPT_OSS_SWA, "verify", 4, [(32, 4096)]),
+    ("gpt-oss full", GPT_OSS_FULL, "decode", 1, [(32, 4096), (8, 16384)]),
+    ("gpt-oss full", GPT_OSS_FULL, "verify", 4, [(32, 4096)]),
+    ("gemma D256", GEMMA_D256, "decode", 1, [(32, 4096), (8, 8192)]),
+    ("gemma D256", GEMMA_D256, "extend", None, [(4, 4096)]),
+    ("qwen2 gqa7", QWEN2_GQA7, "decode", 1, [(32, 4096), (8, 8192), (1, 32768)]),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One table row: the mode, its sizes, the cache dtype and the Shape; model rows carry their model tag."""
+
+    mode: str  # "decode" | "verify" | "extend"
+    batch: int
+    length: int  # keys per request (L), new tokens included
+    q_len: int  # new tokens per request (S)
+    kv_dtype: torch.dtype
+    shape: Shape = DEFAULT_SHAPE
+    model: str = ""  # e.g. "gpt-oss swa128"; "" for the default rows
+    note: str = ""  # label suffix, e.g. "(no sinks)"
+
+    @property
+    def label(self) -> str:
+        """Default rows: 'decode 8x8192', 'decode-fp8 8x8192', 'extend 1x8192:1024' (new tokens when fewer than
+        the keys), with ' D64' when the head dim is not 128. Model rows: the model tag first, e.g.
+        'gpt-oss swa128 decode 32x4096', 'gemma D256 extend 4x4096', then the note."""
+        label = f"{self.mode}{'-fp8' if self.kv_dtype == torch.float8_e4m3fn else ''} {self.batch}x{self.length}"
+        if self.mode == "extend" and self.q_len != self.length:
+            label += f":{self.q_len}"
+        if not self.model:
+            return label + (f" D{self.shape.d}" if self.shape.d != 128 else "")
+        return " ".join(x for x in (self.model, label, self.note) if x)
+
+
+def build_rows(groups, default_shape=DEFAULT_SHAPE, extend_rows=None, sizes=None, page=None):
+    """The rows of the --rows groups, in table order. extend_rows: the default extend rows [(B, L, S)];
+    page: the page size of every row (default: each shape's); sizes (B, L): every row that size (a dry run),
+    rows that become identical kept once."""
+    groups = [g for g in groups if g]
+    unknown = sorted(set(groups) - set(ROW_GROUPS))
+    if unknown:
+        raise ValueError(f"unknown --rows {unknown}; known: {','.join(ROW_GROUPS)}")
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    if extend_rows is None:
+        extend_rows = [(b, n, n) for b, n in EXTEND_ROWS]
+    rows = []
+    if "decode" in groups:
+        rows += [Row("decode", b, n, 1, bf16, default_shape) for b, n in DECODE_ROWS]
+    if "verify" in groups:
+        rows += [Row("verify", b, n, 4, bf16, default_shape) for b, n in VERIFY_ROWS]
+    if "extend" in groups:
+        rows += [Row("extend", b, n, q, bf16, default_shape) for b, n, q in extend_rows]
+    if "fp8" in groups:
+        rows += [Row("decode", b, n, 1, fp8, default_shape) for b, n in DECODE_ROWS]
+    if "models" in groups:
+        rows += [Row(mode, b, n, q or n, bf16, shape, model) for model, shape, mode, q, sizes_ in MODEL_ROWS
+                 for b, n in sizes_]
+    if "nosinks" in groups:
+        rows += [Row(mode, b, n, q or n, bf16, dataclasses.replace(shape, sinks=False), model, "(no sinks)")
+                 for model, shape, mode, q, sizes_ in MODEL_ROWS if shape.sinks for b, n in sizes_]
+    if page is not None:
+        rows = [dataclasses.replace(r, shape=dataclasses.replace(r.shape, page=page)) for r in rows]
+    if sizes:
+        b0, n0 = sizes
+        rows = [dataclasses.replace(r, batch=b0, length=n0, q_len=n0 if r.mode == "extend" else r.q_len)
+                for r in rows]
+        seen, unique = set(), []
+        for r in rows:
+            if (r.label, r.shape) not in seen:
+                seen.add((r.label, r.shape))
+                unique.append(r)
+        rows = unique
+    return rows
 
 
 def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+class Unable(Exception):
+    """An implementation cannot run a row's problem: recorded as "n/a: <reason>", never timed."""
+
+
 # ----------------------------------------------------------------------------------------------------------
 # inputs
 
-def make_set(mode, batch, length, q_len, kv_dtype, seed):
-    """One input set: paged caches in random page order, q, and a contiguous exact-length copy for peers."""
+def keys_seen(shape, length, q_len):
+    """Keys of one request that some query of it sees: all L without a window, else min(L, window_left + S)
+    (the S new queries' windows together; min(L, window_left + 1) for decode)."""
+    return length if shape.window_left < 0 else min(length, shape.window_left + q_len)
+
+
+def make_set(shape, mode, batch, length, q_len, kv_dtype, seed):
+    """One input set: paged caches in random page order, q, out, and for sink shapes the sink logits (float32
+    [Hq], about log(keys a decode query sees) + N(0, 1): enough softmax mass that dropping them shows)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    pages_per = length // PAGE
+    page = shape.page
+    pages_per = length // page
     num_pages = batch * pages_per
-    kv_shape = (num_pages, PAGE, HKV, D)
+    kv_shape = (num_pages, page, shape.hkv, shape.d)
     s = {}
     if kv_dtype == torch.float8_e4m3fn:
         s["k_cache"] = (torch.randn(kv_shape, device=DEVICE, generator=gen) * 2).to(kv_dtype)
@@ -70,21 +207,35 @@ def make_set(mode, batch, length, q_len, kv_dtype, seed):
     perm = torch.randperm(num_pages, device=DEVICE, generator=gen).int()
     s["page_table"] = perm.reshape(batch, pages_per)
     s["cache_seqlens"] = torch.full((batch,), length, dtype=torch.int32, device=DEVICE)
-    s["q"] = torch.randn(batch, q_len, HQ, D, device=DEVICE, generator=gen, dtype=torch.bfloat16)
+    s["q"] = torch.randn(batch, q_len, shape.hq, shape.d, device=DEVICE, generator=gen, dtype=torch.bfloat16)
     s["out"] = torch.empty_like(s["q"])
+    s["sinks"] = None
+    if shape.sinks:
+        noise = torch.randn(shape.hq, device=DEVICE, generator=gen, dtype=torch.float32)
+        s["sinks"] = math.log(keys_seen(shape, length, 1)) + noise
     return s
 
 
-def contiguous_kv(s, name):
+def contiguous_kv(s, shape, name):
     """[B, Hkv, L, D] exact-length copy of a paged cache (what SDPA/Flex read)."""
     c = s[name][s["page_table"].long()]  # [B, P, page, Hkv, D]
     b, p = c.shape[:2]
-    return c.reshape(b, p * PAGE, HKV, D).transpose(1, 2).contiguous()
+    return c.reshape(b, p * shape.page, shape.hkv, shape.d).transpose(1, 2).contiguous()
 
 
-def reference_slices(s, mode):
-    """The reference on a slice of the problem: [(request, query rows, fp32 reference out)]: two requests,
-    or for extend the first and last 4 query rows of request 0."""
+def visible_mask(shape, q_len, length, device):
+    """bool [S, L]: key j visible to new query i (causal, then the window)."""
+    limit = torch.arange(length - q_len, length, device=device)[:, None]  # each query's causal limit
+    pos = torch.arange(length, device=device)[None, :]
+    mask = pos <= limit
+    if shape.window_left >= 0:
+        mask &= pos >= limit - shape.window_left
+    return mask
+
+
+def reference_slices(s, shape, mode):
+    """The reference (window and sinks included) on a slice of the problem: [(request, query rows, fp32
+    reference out)]: two requests, or for extend the first and last 4 query rows of request 0."""
     from b12x_inductor.kernels.reference import paged_attention_reference
 
     batch, q_len = s["q"].shape[:2]
@@ -98,10 +249,11 @@ def reference_slices(s, mode):
             checks.append((b, slice(0, q_len), int(s["cache_seqlens"][b])))
     refs = []
     for b, rows, length in checks:
-        pages = s["page_table"][b, : -(-length // PAGE)].long()
+        pages = s["page_table"][b, : -(-length // shape.page)].long()
         sub = dict(q=s["q"][b:b + 1, rows], k_cache=s["k_cache"][pages], v_cache=s["v_cache"][pages],
                    page_table=torch.arange(len(pages), dtype=torch.int32, device=DEVICE)[None],
                    cache_seqlens=torch.tensor([length], dtype=torch.int32, device=DEVICE),
+                   window_left=shape.window_left, sinks=s["sinks"],
                    k_descale=s["k_descale"], v_descale=s["v_descale"])
         refs.append((b, rows, paged_attention_reference(**sub)[0]))
     return refs
@@ -176,19 +328,30 @@ def time_graph(calls, target_ms=3.0, replays=15):
     return statistics.median(times), method
 
 
-def warm_peers():
-    """Builds FlashInfer's JIT modules for the table's configurations on tiny inputs (about 100 s once)."""
+def warm_peers(rows):
+    """Builds FlashInfer's JIT modules for the rows' configurations (head dim, window or not, sinks, cache
+    dtype, decode or prefill wrapper) on tiny inputs (about 100 s once for the default rows)."""
     t0 = time.time()
-    for mode, q_len, kv_dtype in (("decode", 1, torch.bfloat16), ("decode", 1, torch.float8_e4m3fn),
-                                  ("verify", 4, torch.bfloat16)):
-        s = make_set(mode, 1, 256, q_len, kv_dtype, seed=1)
-        for name, make in peers_for(mode, kv_dtype, {"flashinfer"}):
+    seen = set()
+    for row in rows:
+        shape = row.shape
+        key = (row.mode == "decode", row.kv_dtype, shape.d, shape.page, shape.window_left >= 0, shape.sinks)
+        if key in seen:
+            continue
+        seen.add(key)
+        q_len = 1 if row.mode == "decode" else 4
+        s = make_set(shape, row.mode, 1, shape.page * -(-256 // shape.page), q_len, row.kv_dtype, seed=1)
+        what = f"{row.mode} D{shape.d} {str(row.kv_dtype).replace('torch.', '')}" + (
+            " window" if shape.window_left >= 0 else "") + (" sinks" if shape.sinks else "")
+        for name, make in peers_for(shape, row.mode, row.kv_dtype, {"flashinfer"}):
             try:
-                make(s, mode)[0]()
+                make(s, shape, row.mode)[0]()
                 torch.cuda.synchronize()
-                log(f"warm {name} {mode} {kv_dtype}: ok ({time.time() - t0:.0f} s)")
+                log(f"warm {name} {what}: ok ({time.time() - t0:.0f} s)")
+            except Unable as e:
+                log(f"warm {name} {what}: n/a: {e}")
             except Exception as e:
-                log(f"warm {name} {mode} {kv_dtype}: {type(e).__name__}: {str(e)[:200]}")
+                log(f"warm {name} {what}: {type(e).__name__}: {str(e)[:200]}")
 
 
 def copy_bandwidth():
@@ -207,15 +370,17 @@ def copy_bandwidth():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# implementations: each returns a zero-argument callable that writes its output for one input set
+# implementations: each returns (a zero-argument callable that writes its output for one input set, a
+# callable that returns that output [B, S, Hq, D]), or raises Unable
 
-def b12x_call(s, mode, variant=None, family=None):
+def b12x_call(s, shape, mode, variant=None, family=None):
     import b12x_inductor as b12x
 
     if variant is None and family is None:
         def call():
             b12x.paged_attention(s["q"], s["k_cache"], s["v_cache"], s["page_table"], s["cache_seqlens"],
-                                 k_descale=s["k_descale"], v_descale=s["v_descale"], out=s["out"])
+                                 window_left=shape.window_left, sinks=s["sinks"], k_descale=s["k_descale"],
+                                 v_descale=s["v_descale"], out=s["out"])
         return call, lambda: s["out"]
     # one kernel family's plan (family_plan), with (num_splits, block_n, num_stages, num_warps, block_m)
     # replaced where the variant gives a nonzero value
@@ -224,20 +389,22 @@ def b12x_call(s, mode, variant=None, family=None):
 
     problem = validate.check_paged_attention(
         s["q"], s["k_cache"], s["v_cache"], s["page_table"], s["cache_seqlens"], None, kv_layout="NHD",
-        causal=True, scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0,
+        causal=True, scale=None, window_left=shape.window_left, kv_start=None, sinks=s["sinks"], softcap=0.0,
         k_descale=s["k_descale"], v_descale=s["v_descale"], out=None)
     family = family or select_plan(problem).family
-    if family == "cute" and not _cute_supports(problem):
-        return None
+    if family == "cute":
+        _cute_check(problem)
     fields = dict(zip(("num_splits", "block_n", "num_stages", "num_warps", "block_m"), variant or ()))
     plan = family_plan(problem, family, **{k: v for k, v in fields.items() if v})
     out = torch.empty_like(s["q"])
     the_call = kernels.Call(
         q=s["q"], k_cache=s["k_cache"], v_cache=s["v_cache"], page_table=s["page_table"],
-        cache_seqlens=s["cache_seqlens"], cu_seqlens_q=None, kv_start=None, sinks=None, k_descale=s["k_descale"],
-        v_descale=s["v_descale"], key_mask=None, out=out, lse=torch.empty(s["q"].shape[:-1], dtype=torch.float32, device=DEVICE),
+        cache_seqlens=s["cache_seqlens"], cu_seqlens_q=None, kv_start=None, sinks=s["sinks"],
+        k_descale=s["k_descale"], v_descale=s["v_descale"], key_mask=None, out=out,
+        lse=torch.empty(s["q"].shape[:-1], dtype=torch.float32, device=DEVICE),
         scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=DEVICE),
-        options=kernels.Options(kv_layout="NHD", causal=True, scale=D**-0.5, window_left=-1, softcap=0.0),
+        options=kernels.Options(kv_layout="NHD", causal=True, scale=shape.d**-0.5, window_left=shape.window_left,
+                                softcap=0.0),
         plan=plan)
 
     def call():
@@ -245,23 +412,30 @@ def b12x_call(s, mode, variant=None, family=None):
     return call, lambda: out
 
 
-def _cute_supports(problem):
+def _cute_check(problem):
     from b12x_inductor.kernels import cute
 
-    return cute.available() and cute.supports(problem)
+    if not cute.available():
+        raise Unable("the CuTe family is not available (nvidia-cutlass-dsl, CUDA)")
+    if not cute.supports(problem):
+        raise Unable("the CuTe family refuses this problem (cute.supports)")
 
 
-def sdpa_call(s, mode):
+def sdpa_call(s, shape, mode):
     import torch.nn.functional as F
 
     if s["k_descale"] is not None:
-        return None
-    k, v = contiguous_kv(s, "k_cache"), contiguous_kv(s, "v_cache")
+        raise Unable("SDPA takes no fp8 cache")
+    if shape.sinks:
+        raise Unable("SDPA takes no attention sinks")
+    k, v = contiguous_kv(s, shape, "k_cache"), contiguous_kv(s, shape, "v_cache")
     q = s["q"].transpose(1, 2)  # [B, Hq, S, D] view
     res = {}
     q_len, length = q.shape[2], k.shape[2]
     kwargs = dict(enable_gqa=True)
-    if mode == "extend" and q_len == length:
+    if shape.window_left >= 0:  # an explicit boolean mask [S, L]: causal and the window
+        kwargs["attn_mask"] = visible_mask(shape, q_len, length, q.device)
+    elif mode == "extend" and q_len == length:
         kwargs["is_causal"] = True
     elif mode != "decode":  # verify, chunked prefill: the new tokens are the last q_len positions
         from torch.nn.attention.bias import causal_lower_right
@@ -276,21 +450,26 @@ def sdpa_call(s, mode):
 _FLEX = {}
 
 
-def flex_call(s, mode):
+def flex_call(s, shape, mode):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if s["k_descale"] is not None:
-        return None
+        raise Unable("not run on fp8 caches")
+    if shape.sinks:
+        raise Unable("not run with attention sinks")
     if "fn" not in _FLEX:
         torch._dynamo.config.cache_size_limit = 64
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    k, v = contiguous_kv(s, "k_cache"), contiguous_kv(s, "v_cache")
+    k, v = contiguous_kv(s, shape, "k_cache"), contiguous_kv(s, shape, "v_cache")
     q = s["q"].transpose(1, 2).contiguous()
     q_len, length = q.shape[2], k.shape[2]
     block_mask = None
-    if mode != "decode":
-        offset = length - q_len
-
+    offset, window = length - q_len, shape.window_left
+    if window >= 0:
+        def causal_window(b, h, qi, kj):
+            return (kj <= qi + offset) & (kj >= qi + offset - window)
+        block_mask = create_block_mask(causal_window, None, None, q_len, length, device=DEVICE)
+    elif mode != "decode":
         def causal(b, h, qi, kj):
             return kj <= qi + offset
         block_mask = create_block_mask(causal, None, None, q_len, length, device=DEVICE)
@@ -302,27 +481,46 @@ def flex_call(s, mode):
 
 
 _FI_WS = {}
+# FlashInfer 0.7's plain wrappers take sinks= but their fa2/fa3 paths drop it: BatchDecodeWithPagedKVCacheWrapper
+# (tensor cores) hands it to the batch-prefill module's paged_run, which forwards it only for trtllm-gen (sm100),
+# and BatchPrefillWithPagedKVCacheWrapper likewise. Sinks on sm90 go through BatchAttentionWithAttentionSinkWrapper
+# (the "AttentionSink" JIT variant of the prefill kernels, fa2 or fa3): the flashinfer-sink-* peers.
+FI_NO_SINKS = {
+    "decode": "the decode wrapper's fa2/fa3 paths ignore sinks= (only trtllm-gen, sm100, reads them); timed as "
+              "flashinfer-sink-*",
+    "prefill": "the prefill wrapper's fa2/fa3 paths ignore sinks= (only trtllm-gen, sm100, reads them); timed as "
+               "flashinfer-sink-*",
+}
 
 
-def flashinfer_call(s, mode, backend="fa2"):
+def flashinfer_call(s, shape, mode, backend="fa2", sinks=False):
+    """FlashInfer on the same problem: decode -> BatchDecodeWithPagedKVCacheWrapper (tensor cores), verify and
+    extend -> BatchPrefillWithPagedKVCacheWrapper(backend); the window as plan(window_left=...). sinks=True:
+    BatchAttentionWithAttentionSinkWrapper(backend) for every mode (q_len new tokens a request, causal), the
+    sinks passed positionally to run (its JIT variant's extra tensor), with sm_scale. A sink shape without
+    sinks=True raises Unable: the plain wrappers would drop the sinks silently."""
+    if shape.sinks and not sinks:
+        raise Unable(FI_NO_SINKS["decode" if mode == "decode" else "prefill"])
     import flashinfer
 
     if "ws" not in _FI_WS:
         _FI_WS["ws"] = torch.empty(256 * 2**20, dtype=torch.uint8, device=DEVICE)
     ws = _FI_WS["ws"]
+    hq, hkv, d, page, window = shape.hq, shape.hkv, shape.d, shape.page, shape.window_left
     batch, q_len = s["q"].shape[:2]
     pages_per = s["page_table"].shape[1]
     indptr = torch.arange(0, batch + 1, dtype=torch.int32, device=DEVICE) * pages_per
     indices = s["page_table"].reshape(-1).contiguous()
-    last = torch.full((batch,), PAGE, dtype=torch.int32, device=DEVICE)
+    last = torch.full((batch,), page, dtype=torch.int32, device=DEVICE)
     kv_dtype = s["k_cache"].dtype
     scales = {}
     if s["k_descale"] is not None:
         scales = dict(k_scale=float(s["k_descale"]), v_scale=float(s["v_descale"]))
     out = torch.empty_like(s["q"])
-    if mode == "decode":
+    if mode == "decode" and not sinks:
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
-        w.plan(indptr, indices, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+        w.plan(indptr, indices, last, hq, hkv, d, page, window_left=window, q_data_type=torch.bfloat16,
+               kv_data_type=kv_dtype)
         q = s["q"][:, 0]
         o = out[:, 0]
 
@@ -330,25 +528,42 @@ def flashinfer_call(s, mode, backend="fa2"):
             w.run(q, (s["k_cache"], s["v_cache"]), out=o, **scales)
         return call, lambda: out
     qo_indptr = torch.arange(0, batch + 1, dtype=torch.int32, device=DEVICE) * q_len
+    q = s["q"].reshape(batch * q_len, hq, d)
+    o = out.reshape(batch * q_len, hq, d)
+    if sinks:
+        w = flashinfer.BatchAttentionWithAttentionSinkWrapper(
+            ws, "NHD", backend=backend, q_data_type=torch.bfloat16, kv_data_type=kv_dtype, head_dim_qk=d,
+            head_dim_vo=d, window_left=window)
+        w.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page, causal=True, window_left=window,
+               q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+        sink, sm_scale = s["sinks"], d**-0.5
+
+        def call():
+            w.run(q, (s["k_cache"], s["v_cache"]), sink, sm_scale, out=o, **scales)
+        return call, lambda: out
     w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
-    w.plan(qo_indptr, indptr, indices, last, HQ, HKV, D, PAGE, causal=True, q_data_type=torch.bfloat16,
-           kv_data_type=kv_dtype)
-    q = s["q"].reshape(batch * q_len, HQ, D)
-    o = out.reshape(batch * q_len, HQ, D)
+    w.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page, causal=True, window_left=window,
+           q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
 
     def call():
         w.run(q, (s["k_cache"], s["v_cache"]), out=o, **scales)
     return call, lambda: out
 
 
-def peers_for(mode, kv_dtype, wanted):
+def peers_for(shape, mode, kv_dtype, wanted):
+    """[(name, make(s, shape, mode))] of the wanted peers for this row. Sink rows keep the plain FlashInfer
+    names (recorded n/a) and add flashinfer-sink-fa2/-fa3."""
     peers = []
     if "flashinfer" in wanted:
         if mode == "decode":
-            peers.append(("flashinfer", lambda s, m: flashinfer_call(s, m)))
+            peers.append(("flashinfer", lambda s, sh, m: flashinfer_call(s, sh, m)))
         else:
-            peers.append(("flashinfer-fa2", lambda s, m: flashinfer_call(s, m, "fa2")))
-            peers.append(("flashinfer-fa3", lambda s, m: flashinfer_call(s, m, "fa3")))
+            peers.append(("flashinfer-fa2", lambda s, sh, m: flashinfer_call(s, sh, m, "fa2")))
+            peers.append(("flashinfer-fa3", lambda s, sh, m: flashinfer_call(s, sh, m, "fa3")))
+        if shape.sinks:
+            for backend in ("fa2", "fa3"):
+                peers.append((f"flashinfer-sink-{backend}",
+                              lambda s, sh, m, backend=backend: flashinfer_call(s, sh, m, backend, sinks=True)))
     if kv_dtype != torch.float8_e4m3fn:
         if "sdpa" in wanted:
             peers.append(("sdpa", sdpa_call))
@@ -360,52 +575,47 @@ def peers_for(mode, kv_dtype, wanted):
 # ----------------------------------------------------------------------------------------------------------
 # the table
 
-def row_metrics(mode, batch, length, q_len, kv_dtype, us):
-    kv_bytes = batch * length * HKV * D * 2 * (1 if kv_dtype == torch.float8_e4m3fn else 2)
-    q_bytes = 2 * batch * q_len * HQ * D * 2  # q read + out written
+def row_metrics(shape, mode, batch, length, q_len, kv_dtype, us):
+    """Decode/verify: TB/s over the bytes a call must touch: K and V of the keys some query sees (keys_seen:
+    min(L, window_left + S) a request with a window, so min(L, window_left + 1) keys for decode; all L
+    without), q read and out written. Extend: TFLOP/s of QK^T and PV over the visible (query, key) pairs: the
+    causal triangle (as S*L - S^2/2 without a window), with a window the keys each query sees."""
+    keys = keys_seen(shape, length, q_len)
+    kv_bytes = batch * keys * shape.hkv * shape.d * 2 * (1 if kv_dtype == torch.float8_e4m3fn else 2)
+    q_bytes = 2 * batch * q_len * shape.hq * shape.d * 2  # q read + out written
     if mode == "extend":
-        flops = 4 * batch * HQ * D * (q_len * length - q_len * q_len / 2)  # causal: the new tokens' triangle
+        if shape.window_left < 0:
+            pairs = q_len * length - q_len * q_len / 2  # causal: the new tokens' triangle
+        else:
+            first = length - q_len  # position of the first new token; query i sees min(first + i + 1, w + 1)
+            pairs = sum(min(first + i + 1, shape.window_left + 1) for i in range(q_len))
+        flops = 4 * batch * shape.hq * shape.d * pairs
         return dict(tflops=flops / (us * 1e-6) / 1e12)
     return dict(tbps=(kv_bytes + q_bytes) / (us * 1e-6) / 1e12)
 
 
-def row_label(mode, batch, length, q_len, kv_dtype):
-    """'decode 8x8192', 'decode-fp8 8x8192', 'extend 1x8192:1024' (new tokens when fewer than the keys),
-    with ' D64' when the head dim is not 128."""
-    label = f"{mode}{'-fp8' if kv_dtype == torch.float8_e4m3fn else ''} {batch}x{length}"
-    if mode == "extend" and q_len != length:
-        label += f":{q_len}"
-    return label + (f" D{D}" if D != 128 else "")
-
-
-def run_row(mode, batch, length, q_len, kv_dtype, peers, variants, bw, families=()):
-    label = row_label(mode, batch, length, q_len, kv_dtype)
-    set_bytes = batch * length * HKV * D * 2 * kv_dtype.itemsize
-    n_sets = max(2, math.ceil(2 * L2_BYTES / set_bytes))
-    sets = [make_set(mode, batch, length, q_len, kv_dtype, seed=17 * i + batch) for i in range(n_sets)]
-    impls = [("b12x", lambda s, m: b12x_call(s, m))] + peers_for(mode, kv_dtype, peers)
+def run_row(row, peers, variants, bw, families=()):
+    label, shape, mode = row.label, row.shape, row.mode
+    batch, length, q_len, kv_dtype = row.batch, row.length, row.q_len, row.kv_dtype
+    touched = batch * keys_seen(shape, length, q_len) * shape.hkv * shape.d * 2 * kv_dtype.itemsize
+    n_sets = 2 if DEVICE == "cpu" else min(MAX_SETS, max(2, math.ceil(2 * L2_BYTES / touched)))
+    sets = [make_set(shape, mode, batch, length, q_len, kv_dtype, seed=17 * i + batch) for i in range(n_sets)]
+    impls = [("b12x", lambda s, sh, m: b12x_call(s, sh, m))] + peers_for(shape, mode, kv_dtype, peers)
     for fam in families:
-        impls.append((f"b12x-{fam}", lambda s, m, fam=fam: b12x_call(s, m, family=fam)))
+        impls.append((f"b12x-{fam}", lambda s, sh, m, fam=fam: b12x_call(s, sh, m, family=fam)))
     for fam, v in variants:
         if mode == "extend" and v[0]:
             continue
         name = f"b12x-{fam + '-' if fam else ''}v" + ":".join(map(str, v))
-        impls.append((name, lambda s, m, v=v, fam=fam: b12x_call(s, m, v, family=fam)))
-    refs = reference_slices(sets[0], mode)
-    result = dict(row=label, mode=mode, batch=batch, kv_len=length, q_len=q_len,
-                  kv_dtype=str(kv_dtype).replace("torch.", ""), sets=n_sets, impls={})
+        impls.append((name, lambda s, sh, m, v=v, fam=fam: b12x_call(s, sh, m, v, family=fam)))
+    refs = reference_slices(sets[0], shape, mode)
+    result = dict(row=label, model=row.model, mode=mode, batch=batch, kv_len=length, q_len=q_len,
+                  kv_dtype=str(kv_dtype).replace("torch.", ""), shape=shape.as_json(), sets=n_sets, impls={})
     for name, make in impls:
         entry = {}
         try:
-            calls, outs = [], []
-            for s in sets:
-                made = make(s, mode)
-                if made is None:
-                    break
-                calls.append(made[0])
-                outs.append(made[1])
-            if not calls:
-                continue
+            made = [make(s, shape, mode) for s in sets]
+            calls, outs = [m[0] for m in made], [m[1] for m in made]
             calls[0]()
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
@@ -418,9 +628,11 @@ def run_row(mode, batch, length, q_len, kv_dtype, peers, variants, bw, families=
                 result["impls"][name] = entry
                 continue
             us, method = time_graph(calls)
-            entry.update(us=us, method=method, **row_metrics(mode, batch, length, q_len, kv_dtype, us))
+            entry.update(us=us, method=method, **row_metrics(shape, mode, batch, length, q_len, kv_dtype, us))
             if "tbps" in entry:
                 entry["pct_copy_bw"] = 100 * entry["tbps"] / bw
+        except Unable as e:
+            entry = {"na": f"n/a: {e}"}
         except Exception as e:
             entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         result["impls"][name] = entry
@@ -434,6 +646,8 @@ def run_row(mode, batch, length, q_len, kv_dtype, peers, variants, bw, families=
         if "us" in e:
             m = f"{e['tflops']:.0f} TFLOP/s" if "tflops" in e else f"{e['tbps']:.2f} TB/s {e['pct_copy_bw']:.0f}%"
             parts.append(f"{n} {e['us']:.1f}us {m}")
+        elif "na" in e:
+            parts.append(f"{n} {e['na']}")
         elif "error" in e:
             parts.append(f"{n} ERROR {e.get('error', '')[:120]}")
         else:
@@ -475,7 +689,8 @@ def chart(results, path):
 def main(argv) -> None:
     ap = argparse.ArgumentParser(prog="python -m b12x_inductor.bench kernels")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--rows", default="decode,verify,extend,fp8")
+    ap.add_argument("--rows", default=DEFAULT_ROWS, help=f"row groups among {','.join(ROW_GROUPS)} (default "
+                    f"{DEFAULT_ROWS}; nosinks: the gpt-oss rows without sinks)")
     ap.add_argument("--peers", default="sdpa,flex,flashinfer")
     ap.add_argument("--variants", default="", help="tuning: also time plan variants '[family:]splits:block_n:"
                     "stages:warps[:block_m],...' (0 keeps the plan's value; variants with splits skip extend rows)")
@@ -485,25 +700,30 @@ def main(argv) -> None:
     ap.add_argument("--flex-rows", default="", help="only these rows get FlexAttention (its compile is slow), "
                     "e.g. 'decode 8x8192,extend 1x16384'; default all")
     ap.add_argument("--warm-peers", action="store_true", help="JIT-build FlashInfer's modules first, then exit")
-    ap.add_argument("--head-dim", type=int, default=D, help="D of every row (default 128)")
-    ap.add_argument("--page-size", type=int, default=PAGE, help="keys per page of every row (default 16; L must "
-                    "be a multiple)")
-    ap.add_argument("--extend-rows", default="", help="extend rows 'BxL[:S],...' instead of the default "
+    ap.add_argument("--head-dim", type=int, default=DEFAULT_SHAPE.d, help="D of the default rows (default 128; "
+                    "model rows keep their model's)")
+    ap.add_argument("--page-size", type=int, default=DEFAULT_SHAPE.page, help="keys per page of every row "
+                    "(default 16; L must be a multiple)")
+    ap.add_argument("--extend-rows", default="", help="default extend rows 'BxL[:S],...' instead of the default "
                     "(S new tokens on L keys; default S = L)")
     ap.add_argument("--profile", action="store_true", help="no timing: each implementation runs once more "
                     "inside an NVTX range named after it (for ncu --nvtx --nvtx-include 'b12x-cute/')")
     ap.add_argument("--sizes", default="", help="dry run: B x L overrides, e.g. 2x64 (all rows that size)")
     args = ap.parse_args(argv)
-    globals()["D"] = args.head_dim
-    globals()["PAGE"] = args.page_size
     globals()["PROFILE"] = args.profile
-    extend_rows = [(b, n, n) for b, n in EXTEND_ROWS]
+    default_shape = dataclasses.replace(DEFAULT_SHAPE, d=args.head_dim, page=args.page_size)
+    extend_rows = None
     if args.extend_rows:
         extend_rows = []
         for x in args.extend_rows.split(","):
             size, _, new = x.partition(":")
             b, n = (int(y) for y in size.split("x"))
             extend_rows.append((b, n, int(new) if new else n))
+    sizes = tuple(int(x) for x in args.sizes.split("x")) if args.sizes else None
+    try:
+        todo = build_rows(args.rows.split(","), default_shape, extend_rows, sizes, page=args.page_size)
+    except ValueError as e:
+        sys.exit(f"b12x_inductor.bench kernels: {e}")
     if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("b12x_inductor.bench kernels: needs a CUDA GPU")
     peers = set(p for p in args.peers.split(",") if p)
@@ -518,48 +738,37 @@ def main(argv) -> None:
         fam, rest = x.split(":", 1) if not x.split(":")[0].isdigit() else ("", x)
         sweep.append((fam, tuple(int(y) for y in rest.split(":"))))
     families = [f for f in args.families.split(",") if f]
-    rows = set(args.rows.split(","))
     versions = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
                     date=datetime.datetime.now(datetime.timezone.utc)
                     .strftime("%Y-%m-%d %H:%M UTC"))
-    import triton
+    try:
+        import triton
 
-    versions["triton"] = triton.__version__
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = None
     if "flashinfer" in peers:
         import flashinfer
 
         versions["flashinfer"] = flashinfer.__version__
     if "flashinfer" in peers and args.warm_peers:
-        warm_peers()
+        warm_peers(todo)
     if args.warm_peers:
         return
     bw, bw_all = copy_bandwidth() if DEVICE == "cuda" else (float("nan"), {})
     log(f"versions {versions}; copy bandwidth {bw:.2f} TB/s {bw_all}")
     results = []
-    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
-    todo = []
-    if "decode" in rows:
-        todo += [("decode", b, n, 1, bf16) for b, n in DECODE_ROWS]
-    if "verify" in rows:
-        todo += [("verify", b, n, 4, bf16) for b, n in VERIFY_ROWS]
-    if "extend" in rows:
-        todo += [("extend", b, n, q, bf16) for b, n, q in extend_rows]
-    if "fp8" in rows:
-        todo += [("decode", b, n, 1, fp8) for b, n in DECODE_ROWS]
-    if args.sizes:
-        b0, n0 = (int(x) for x in args.sizes.split("x"))
-        todo = [(m, b0, n0, s if m != "extend" else n0, dt) for m, b, n, s, dt in todo]
     t0 = time.time()
     flex_rows = set(r.strip() for r in args.flex_rows.split(",") if r.strip())
-    for mode, b, n, s, dt in todo:
+    for row in todo:
         row_peers = peers
-        label = row_label(mode, b, n, s, dt)
-        if flex_rows and label not in flex_rows:
+        if flex_rows and row.label not in flex_rows:
             row_peers = peers - {"flex"}
-        results.append(run_row(mode, b, n, s, dt, row_peers, sweep, bw, families))
+        results.append(run_row(row, row_peers, sweep, bw, families))
     os.makedirs(args.out, exist_ok=True)
     doc = dict(versions=versions, copy_bandwidth_tbps=bw, copy_bandwidth_by_method=bw_all, argv=list(argv),
-               shape=dict(hq=HQ, hkv=HKV, d=D, page_size=PAGE), rows=results, seconds=time.time() - t0)
+               shape=dict(hq=default_shape.hq, hkv=default_shape.hkv, d=default_shape.d,
+                          page_size=default_shape.page), rows=results, seconds=time.time() - t0)
     with open(os.path.join(args.out, f"kernels_{args.tag}.json"), "w") as f:
         json.dump(doc, f, indent=1)
     try:

@@ -1,0 +1,159 @@
+"""`python -m b12x_inductor.bench [kernels]` on the CPU (B12X_BENCH_DEVICE=cpu, a dry run): the rows and their
+labels (the default rows' must stay comparable with earlier runs), the model-shaped rows (window, sinks, GQA
+7, head dims 64 and 256) through main on tiny sizes, the reference check (window and sinks included: an
+output that drops either fails it) and the bytes/FLOPs counted for windowed rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from b12x_inductor.bench import kernels
+
+# the default groups' labels as every earlier run printed them (benchmarks/results/kernels_h200.json)
+DEFAULT_LABELS = [
+    "decode 1x32768", "decode 8x8192", "decode 32x4096", "decode 64x2048", "decode 128x1024", "decode 16x16384",
+    "verify 8x8192", "verify 32x4096", "verify 64x2048",
+    "extend 4x4096", "extend 1x16384",
+    "decode-fp8 1x32768", "decode-fp8 8x8192", "decode-fp8 32x4096", "decode-fp8 64x2048", "decode-fp8 128x1024",
+    "decode-fp8 16x16384",
+]
+MODEL_LABELS = [
+    "gpt-oss swa128 decode 32x4096", "gpt-oss swa128 decode 8x16384", "gpt-oss swa128 verify 32x4096",
+    "gpt-oss full decode 32x4096", "gpt-oss full decode 8x16384", "gpt-oss full verify 32x4096",
+    "gemma D256 decode 32x4096", "gemma D256 decode 8x8192", "gemma D256 extend 4x4096",
+    "qwen2 gqa7 decode 32x4096", "qwen2 gqa7 decode 8x8192", "qwen2 gqa7 decode 1x32768",
+]
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch):
+    """The module's state as a CPU dry run sees it; monkeypatch restores DEVICE and PROFILE (main sets it)."""
+    monkeypatch.setattr(kernels, "DEVICE", "cpu")
+    monkeypatch.setattr(kernels, "PROFILE", False)
+    return kernels
+
+
+def test_default_rows_unchanged():
+    rows = kernels.build_rows("decode,verify,extend,fp8".split(","))
+    assert [r.label for r in rows] == DEFAULT_LABELS
+    assert {r.shape for r in rows} == {kernels.Shape(hq=32, hkv=8, d=128, page=16, window_left=-1, sinks=False)}
+    assert [r.q_len for r in rows if r.mode == "verify"] == [4, 4, 4]
+    assert [r.q_len for r in rows if r.mode == "extend"] == [4096, 16384]
+    assert kernels.DEFAULT_ROWS.split(",") == ["decode", "verify", "extend", "fp8", "models"]
+    # --head-dim changes the default rows only (and says so in their labels); --page-size every row
+    d64 = kernels.build_rows(["decode", "models"], kernels.Shape(d=64), page=32)
+    assert d64[0].label == "decode 1x32768 D64" and d64[0].shape.d == 64
+    assert [r.label for r in d64[6:]] == MODEL_LABELS
+    assert {r.shape.page for r in d64} == {32}
+
+
+def test_model_rows():
+    rows = kernels.build_rows(kernels.DEFAULT_ROWS.split(","))
+    assert [r.label for r in rows] == DEFAULT_LABELS + MODEL_LABELS
+    by_label = {r.label: r for r in rows}
+    swa, full = by_label["gpt-oss swa128 verify 32x4096"], by_label["gpt-oss full decode 8x16384"]
+    assert (swa.shape.hq, swa.shape.hkv, swa.shape.d, swa.shape.window_left, swa.shape.sinks) == (64, 8, 64, 127, True)
+    assert swa.q_len == 4 and (full.shape.window_left, full.shape.sinks) == (-1, True)
+    gemma = by_label["gemma D256 extend 4x4096"]
+    assert (gemma.shape.hq, gemma.shape.hkv, gemma.shape.d, gemma.q_len) == (16, 8, 256, 4096)
+    qwen = by_label["qwen2 gqa7 decode 1x32768"]
+    assert (qwen.shape.hq, qwen.shape.hkv, qwen.shape.d, qwen.shape.window_left) == (28, 4, 128, -1)
+    nosinks = kernels.build_rows(["nosinks"])
+    assert [r.label for r in nosinks] == [f"{x} (no sinks)" for x in MODEL_LABELS[:6]]
+    assert not any(r.shape.sinks for r in nosinks) and nosinks[0].shape.window_left == 127
+    with pytest.raises(ValueError, match="unknown --rows"):
+        kernels.build_rows(["decode", "model"])
+
+
+def test_dry_run_main(cpu_bench, tmp_path):
+    """main on tiny sizes: every model row and one default group, b12x timed and checked, SDPA timed where it
+    can run and n/a (with its reason) where the row has sinks."""
+    argv = ["--rows", "models,verify", "--sizes", "2x256", "--peers", "sdpa", "--out", str(tmp_path), "--tag", "t"]
+    cpu_bench.main(argv)
+    doc = json.loads((tmp_path / "kernels_t.json").read_text())
+    rows = {r["row"]: r for r in doc["rows"]}
+    expected = [r.label for r in kernels.build_rows(["models", "verify"], sizes=(2, 256))]
+    assert list(rows) == expected and "verify 2x256" in rows and "gpt-oss swa128 decode 2x256" in rows
+    assert len(expected) == 8  # the model rows' sizes collapse onto 2x256: one row per model shape and mode
+    for label, r in rows.items():
+        ours = r["impls"]["b12x"]
+        assert ours["us"] > 0 and ours["max_err"] < 0.05 and ours["method"] == "wall (cpu dry run)", label
+        assert set(r["shape"]) == {"hq", "hkv", "d", "page_size", "window_left", "sinks"}
+        assert (r["batch"], r["kv_len"]) == (2, 256)
+        sdpa = r["impls"]["sdpa"]
+        if r["shape"]["sinks"]:
+            assert sdpa == {"na": "n/a: SDPA takes no attention sinks"}, label
+        else:
+            assert sdpa["us"] > 0 and sdpa["max_err"] < 0.05, label
+    swa = rows["gpt-oss swa128 decode 2x256"]
+    assert swa["model"] == "gpt-oss swa128" and swa["shape"] == dict(hq=64, hkv=8, d=64, page_size=16,
+                                                                        window_left=127, sinks=True)
+    gemma = rows["gemma D256 extend 2x256"]
+    assert gemma["q_len"] == 256 and "tflops" in gemma["impls"]["b12x"]
+    assert rows["qwen2 gqa7 decode 2x256"]["shape"]["hq"] == 28
+    assert rows["verify 2x256"]["model"] == "" and rows["verify 2x256"]["shape"]["d"] == 128
+    assert doc["shape"] == dict(hq=32, hkv=8, d=128, page_size=16)
+
+
+@pytest.mark.parametrize("shape,mode,q_len", [(kernels.GPT_OSS_SWA, "decode", 1), (kernels.GPT_OSS_FULL, "verify", 4)])
+def test_reference_check_sees_window_and_sinks(cpu_bench, shape, mode, q_len):
+    """The check passes b12x's output and fails a corrupted one, one without the sinks and one without the
+    window: a peer that dropped either could not pass."""
+    import b12x_inductor as b12x
+
+    s = kernels.make_set(shape, mode, 2, 256, q_len, torch.bfloat16, seed=3)
+    refs = kernels.reference_slices(s, shape, mode)
+    call, out = kernels.b12x_call(s, shape, mode)
+    call()
+    assert kernels.reference_check(refs, out(), "b12x") < 0.05
+    bad = out().clone()
+    bad[-1, -1, 5, 7] += 1.0
+    with pytest.raises(AssertionError, match="against the reference"):
+        kernels.reference_check(refs, bad, "corrupted")
+    args = (s["q"], s["k_cache"], s["v_cache"], s["page_table"], s["cache_seqlens"])
+    no_sinks = b12x.paged_attention(*args, window_left=shape.window_left)
+    with pytest.raises(AssertionError, match="against the reference"):
+        kernels.reference_check(refs, no_sinks, "no sinks")
+    if shape.window_left >= 0:
+        no_window = b12x.paged_attention(*args, sinks=s["sinks"])
+        with pytest.raises(AssertionError, match="against the reference"):
+            kernels.reference_check(refs, no_window, "no window")
+
+
+def test_windowed_metrics():
+    us = 1e6  # one second: TB/s * 1e12 = bytes, TFLOP/s * 1e12 = FLOPs
+    bf16 = torch.bfloat16
+    # the default rows as before: all L keys
+    tb = kernels.row_metrics(kernels.Shape(), "decode", 8, 8192, 1, bf16, us)["tbps"] * 1e12
+    assert tb == pytest.approx(8 * 8192 * 8 * 128 * 2 * 2 + 2 * 8 * 1 * 32 * 128 * 2)
+    # decode over a window of 128: min(L, window_left + 1) keys a request
+    tb = kernels.row_metrics(kernels.GPT_OSS_SWA, "decode", 32, 4096, 1, bf16, us)["tbps"] * 1e12
+    assert tb == pytest.approx(32 * 128 * 8 * 64 * 2 * 2 + 2 * 32 * 1 * 64 * 64 * 2)
+    # verify S=4: the four windows together, 131 keys
+    tb = kernels.row_metrics(kernels.GPT_OSS_SWA, "verify", 32, 4096, 4, bf16, us)["tbps"] * 1e12
+    assert tb == pytest.approx(32 * 131 * 8 * 64 * 2 * 2 + 2 * 32 * 4 * 64 * 64 * 2)
+    tb = kernels.row_metrics(kernels.GPT_OSS_SWA, "decode", 2, 64, 1, bf16, us)["tbps"] * 1e12  # L < window
+    assert tb == pytest.approx(2 * 64 * 8 * 64 * 2 * 2 + 2 * 2 * 64 * 64 * 2)
+    # extend: the causal triangle as before; with a window each query's min(position + 1, window + 1) keys
+    fl = kernels.row_metrics(kernels.GEMMA_D256, "extend", 4, 4096, 4096, bf16, us)["tflops"] * 1e12
+    assert fl == pytest.approx(4 * 4 * 16 * 256 * (4096 * 4096 - 4096 * 4096 / 2))
+    fl = kernels.row_metrics(kernels.GPT_OSS_SWA, "extend", 1, 300, 300, bf16, us)["tflops"] * 1e12
+    pairs = sum(range(1, 129)) + (300 - 128) * 128
+    assert fl == pytest.approx(4 * 1 * 64 * 64 * pairs)
+
+
+def test_peers_for_sink_rows():
+    """FlashInfer on a sink row: the plain wrappers recorded n/a (they would drop the sinks), the sink wrapper
+    as flashinfer-sink-fa2/-fa3; SDPA and Flex listed (they raise Unable for sinks)."""
+    everyone = {"flashinfer", "sdpa", "flex"}
+    names = [n for n, _ in kernels.peers_for(kernels.GPT_OSS_SWA, "decode", torch.bfloat16, everyone)]
+    assert names == ["flashinfer", "flashinfer-sink-fa2", "flashinfer-sink-fa3", "sdpa", "flex"]
+    names = [n for n, _ in kernels.peers_for(kernels.GPT_OSS_FULL, "verify", torch.bfloat16, {"flashinfer"})]
+    assert names == ["flashinfer-fa2", "flashinfer-fa3", "flashinfer-sink-fa2", "flashinfer-sink-fa3"]
+    names = [n for n, _ in kernels.peers_for(kernels.GEMMA_D256, "decode", torch.bfloat16, {"flashinfer"})]
+    assert names == ["flashinfer"]
+    with pytest.raises(kernels.Unable, match="ignore sinks"):
+        kernels.flashinfer_call(None, kernels.GPT_OSS_SWA, "decode")
