@@ -141,7 +141,7 @@ def warmup(problems, *, causal: bool = True, scale: float | None = None, window_
 
 
 from b12x_inductor import lowering as _lowering  # noqa: E402,F401  (registers the Inductor lowering)
-from b12x_inductor.mla import mla_attention  # noqa: E402  (absorbed MLA on top of paged_attention)
+from b12x_inductor.mla import mla_attention, mla_write_kv  # noqa: E402  (absorbed MLA on top of paged_attention)
 from b12x_inductor.substitution import disable, enable, last_decisions, substituting  # noqa: E402
 
-__all__ += ["enable", "disable", "substituting", "last_decisions", "mla_attention"]
+__all__ += ["enable", "disable", "substituting", "last_decisions", "mla_attention", "mla_write_kv"]

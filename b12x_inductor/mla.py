@@ -1,5 +1,6 @@
 """Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2) over a paged latent cache, absorbed form.
 
+    b12x.mla_write_kv(ckv, kpe, kv_cache, slot_mapping)      # the new tokens' latents, in place
     out = b12x.mla_attention(q_nope, q_pe, kv_cache, page_table, cache_seqlens, scale=softmax_scale)
 
 A thin entry on top of `paged_attention`: the latent cache [num_pages, page_size, 576] (512 compressed KV
@@ -9,6 +10,10 @@ k_cache = kv_cache[:, :, None, :] (NHD), v_cache = k_cache[..., :512] (a view: t
 q = cat(q_nope, q_pe) (one small copy of q). The kernels run as paged_attention's do (Triton on CUDA, the
 torch family elsewhere; no CuTe kernel takes Dv != D yet). Plain torch and the op: it traces under
 torch.compile(fullgraph=True).
+
+`mla_write_kv` is its write: the op b12x::write_latent stores each new token's cat(ckv, kpe) in its slot of
+the one latent cache (write_kv's slot convention and contract), which write_kv cannot do (it mutates two
+distinct caches).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 
 from b12x_inductor import validate
 
-__all__ = ["mla_attention", "latent_cache"]
+__all__ = ["mla_attention", "mla_write_kv", "latent_cache"]
 
 _OP = "mla_attention"
 
@@ -177,3 +182,37 @@ def mla_attention(
     return paged_attention(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_layout="NHD",
                            causal=causal, scale=scale, k_descale=k_descale, v_descale=v_descale,
                            return_lse=return_lse, out=out)
+
+
+def mla_write_kv(
+    ckv: torch.Tensor,
+    kpe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """Writes new tokens into a paged latent cache, in place: `mla_attention`'s write (vLLM's
+    concat_and_cache_mla). Token t's slot row becomes cat(ckv[t], kpe[t]).
+
+    Args:
+        ckv: [T, kv_lora_rank] (512 for DeepSeek-V3 / Kimi K2), the new tokens' compressed KV (the latent
+            c = W_DKV x after its norm); bf16, fp16 or fp32; any strides.
+        kpe: [T, rope_dim] (64 for DeepSeek), their rope keys (after rotary embedding); ckv's dtype and device.
+        kv_cache: the latent cache [num_pages, page_size, kv_lora_rank + rope_dim] that `mla_attention` reads
+            (last dim contiguous, any other strides), ckv's dtype, or float8_e4m3fn for bf16/fp16 ckv.
+        slot_mapping: int64 or int32 [T]; token t goes to slot = page * page_size + offset, i.e.
+            kv_cache[slot // page_size, slot % page_size]. As in `write_kv`: slot < 0 skips the token
+            (padding), and so does a slot past the cache (num_pages * page_size or more; B12X_DEBUG=1 raises
+            for it); of duplicate slots the last kept token wins.
+        scale: float32 scalar tensor, required for a float8_e4m3fn cache and None otherwise: the cache stores
+            value / scale (saturated to the float8 range), so `mla_attention` reads it with
+            k_descale=scale.
+
+    Bad shapes, dtypes or types raise ValueError / TypeError naming the argument (messages begin
+    "write_latent:", the op's name). There is no backward: with grad mode on, an input that requires grad
+    raises RuntimeError (use torch.no_grad()). Under torch.compile the write is functionalized, so a later
+    `mla_attention` of the same graph reads the written cache, and Inductor writes the cache in place.
+    """
+    validate.check_write_latent_types(ckv, kpe, kv_cache, slot_mapping, scale=scale)
+    torch.ops.b12x.write_latent(ckv, kpe, kv_cache, slot_mapping, scale=scale)

@@ -4,6 +4,7 @@ Public ops (what user code and graph passes call):
 - b12x::paged_attention(...) -> (out, lse)           functional; lowered by lowering/paged_attention.py
 - b12x::paged_attention_out(..., out) -> lse         writes a caller's `out`
 - b12x::write_kv(k, v, k_cache, v_cache, slot_mapping, ...) -> ()   mutates the caches in place
+- b12x::write_latent(ckv, kpe, kv_cache, slot_mapping, *, scale) -> ()   mutates MLA's latent cache in place
 - b12x::refuse(exc, message) -> ()                   raises; how the public functions' checks fail under Dynamo
 
 None has a backward: with grad mode on, an input that requires grad raises (their Autograd kernels).
@@ -46,6 +47,9 @@ for _mode in MODES:
 _lib.define(
     "write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, *, "
     "str kv_layout=\"NHD\", Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
+)
+_lib.define(
+    "write_latent(Tensor ckv, Tensor kpe, Tensor(a!) kv_cache, Tensor slot_mapping, *, Tensor? scale=None) -> ()"
 )
 
 _lib.define("refuse(str exc, str message) -> ()")  # raises exc(message): validate.refuse, under Dynamo
@@ -185,3 +189,21 @@ def _write_kv_fake(k, v, k_cache, v_cache, slot_mapping, *, kv_layout="NHD", k_s
 
 
 _no_grad_kernel("write_kv", "write_kv", ("k", "v", "k_cache", "v_cache", "k_scale", "v_scale"))
+
+
+@torch.library.impl(_lib, "write_latent", "CompositeExplicitAutograd")
+def _write_latent(ckv, kpe, kv_cache, slot_mapping, *, scale=None):
+    validate.check_write_latent(ckv, kpe, kv_cache, slot_mapping, scale=scale)
+    if validate.debug_enabled():
+        validate.check_slots(kv_cache, slot_mapping, kv_cache.shape[1], "write_latent")
+    from b12x_inductor.kernels.torch_impl import write_latent_torch
+
+    write_latent_torch(ckv, kpe, kv_cache, slot_mapping, scale=scale)
+
+
+@torch.library.register_fake("b12x::write_latent")
+def _write_latent_fake(ckv, kpe, kv_cache, slot_mapping, *, scale=None):
+    validate.check_write_latent(ckv, kpe, kv_cache, slot_mapping, scale=scale)
+
+
+_no_grad_kernel("write_latent", "write_latent", ("ckv", "kpe", "kv_cache", "scale"))

@@ -41,7 +41,7 @@ def _shape(t: torch.Tensor) -> tuple:
 
 
 def _check_tensor(op: str, name: str, t: object, *, dtype=None, dim=None, shape=None, device=None,
-                  contiguous=False) -> None:
+                  contiguous=False, device_of: str = "q") -> None:
     if not isinstance(t, torch.Tensor):
         _fail(op, name, "a torch.Tensor", type(t).__name__, "TypeError")
     if dtype is not None:
@@ -53,19 +53,24 @@ def _check_tensor(op: str, name: str, t: object, *, dtype=None, dim=None, shape=
     if shape is not None and _shape(t) != tuple(shape):
         _fail(op, name, f"of shape {tuple(shape)}", f"shape {_shape(t)}")
     if device is not None and t.device != device:
-        _fail(op, name, f"on {device} (q's device)", t.device)
+        _fail(op, name, f"on {device} ({device_of}'s device)", t.device)
     if contiguous and not t.is_contiguous():  # kernels read these vectors with unit stride
         _fail(op, name, "contiguous", f"strides {tuple(t.stride())}")
 
 
-def _check_fp8_scale(op, name, s, cache_dtype, device, rows_name: str, rows: int, hkv: int) -> None:
+def _check_fp8_scale(op, name, s, cache_dtype, device, rows_name: str | None = None, rows: int = 0,
+                     hkv: int = 0) -> None:
     """An optional float32 scale of a float8 cache (descale of paged_attention, scale of write_kv): None for
-    other caches, else a scalar, [rows] or [rows, Hkv]."""
+    other caches, else a scalar, [rows] or [rows, Hkv] (a scalar only without rows_name: write_latent's)."""
     if s is None:
         return
     if cache_dtype != FP8:
         _fail(op, name, "None for a cache that is not float8_e4m3fn", "a tensor")
     _check_tensor(op, name, s, dtype=torch.float32, device=device)
+    if rows_name is None:
+        if s.dim() != 0:
+            _fail(op, name, "a float32 scalar tensor (shape ())", f"shape {_shape(s)}")
+        return
     if _shape(s) not in ((), (rows,), (rows, hkv)):
         _fail(op, name, f"a scalar, [{rows_name}] = ({rows},) or [{rows_name}, Hkv] = ({rows}, {hkv})",
               f"shape {_shape(s)}")
@@ -290,17 +295,59 @@ def check_write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, 
     if k.dtype not in Q_DTYPES_CPU:
         _fail(op, "k", "of dtype torch.bfloat16, torch.float16 or torch.float32", k.dtype, "TypeError")
     _, _, hkv, d, dv = cache_geometry(op, k_cache, v_cache, kv_layout)
-    _check_tensor(op, "v", v, dtype=k.dtype, shape=_shape(k)[:-1] + (dv,), device=device)
+    _check_tensor(op, "v", v, dtype=k.dtype, shape=_shape(k)[:-1] + (dv,), device=device, device_of="k")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(op, name, c, device=device)
+        _check_tensor(op, name, c, device=device, device_of="k")
     if k_cache.dtype != k.dtype and k_cache.dtype != FP8:
         _fail(op, "k_cache", f"of k's dtype {k.dtype} or torch.float8_e4m3fn", k_cache.dtype, "TypeError")
     n = k.shape[0]
     if tuple(k.shape[1:]) != (hkv, d):
         _fail(op, "k", f"of shape [N, Hkv, D] = [N, {hkv}, {d}] (the cache's heads and head dim)", f"shape {_shape(k)}")
-    _check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, shape=(n,), device=device)
+    _check_tensor(op, "slot_mapping", slot_mapping, dtype=torch.int64, shape=(n,), device=device, device_of="k")
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         _check_fp8_scale(op, name, s, k_cache.dtype, device, "N", n, hkv)
+
+
+def check_write_latent_types(ckv, kpe, kv_cache, slot_mapping, *, scale) -> None:
+    """What `b12x_inductor.mla_write_kv` checks before it calls the op."""
+    _check_tensor_types("write_latent", dict(ckv=ckv, kpe=kpe, kv_cache=kv_cache, slot_mapping=slot_mapping),
+                        dict(scale=scale))
+
+
+def check_write_latent(ckv, kpe, kv_cache, slot_mapping, *, scale) -> None:
+    """write_latent: ckv [T, kv_lora_rank] and kpe [T, rope_dim] (one dtype, bf16/fp16/fp32) into the latent cache
+    [num_pages, page_size, kv_lora_rank + rope_dim] (last dim contiguous) of their dtype, or float8_e4m3fn under
+    bf16/fp16 with a float32 scalar scale; slot_mapping int64 or int32 [T] (slots as write_kv's)."""
+    op = "write_latent"
+    _check_tensor(op, "ckv", ckv, dim=2)
+    device = ckv.device
+    if ckv.dtype not in Q_DTYPES_CPU:
+        _fail(op, "ckv", "of dtype torch.bfloat16, torch.float16 or torch.float32", ckv.dtype, "TypeError")
+    _check_tensor(op, "kv_cache", kv_cache, dim=3, device=device, device_of="ckv")
+    if kv_cache.stride(-1) != 1:
+        _fail(op, "kv_cache", "contiguous in its last dim", f"strides {tuple(kv_cache.stride())}")
+    num_pages, page_size, width = _shape(kv_cache)
+    if num_pages < 1 or page_size < 1:
+        _fail(op, "kv_cache", "a cache with at least one page (num_pages >= 1) and page_size >= 1",
+              f"shape {_shape(kv_cache)}")
+    t, rank = _shape(ckv)
+    if not 0 < rank < width:
+        _fail(op, "ckv", f"of shape [T, kv_lora_rank] with 0 < kv_lora_rank < {width} (kv_cache's last dim: the "
+              f"rope key follows the latent)", f"shape {_shape(ckv)}")
+    _check_tensor(op, "kpe", kpe, device=device, device_of="ckv")
+    if kpe.dtype != ckv.dtype:
+        _fail(op, "kpe", f"of ckv's dtype {ckv.dtype}", kpe.dtype, "TypeError")
+    if _shape(kpe) != (t, width - rank):
+        _fail(op, "kpe", f"of shape [T, rope_dim] = ({t}, {width - rank}) (ckv's T; rope_dim = kv_cache's last dim "
+              f"{width} - ckv's kv_lora_rank {rank})", f"shape {_shape(kpe)}")
+    if kv_cache.dtype != ckv.dtype and not (kv_cache.dtype == FP8 and ckv.dtype in Q_DTYPES_CUDA):
+        _fail(op, "kv_cache", f"of ckv's dtype {ckv.dtype} or torch.float8_e4m3fn (with bf16/fp16 ckv)",
+              kv_cache.dtype, "TypeError")
+    _check_tensor(op, "slot_mapping", slot_mapping, dtype=(torch.int64, torch.int32), shape=(t,), device=device,
+                  device_of="ckv")
+    if kv_cache.dtype == FP8 and scale is None:
+        _fail(op, "scale", "a float32 scalar tensor for a float8_e4m3fn kv_cache (it stores value / scale)", None)
+    _check_fp8_scale(op, "scale", scale, kv_cache.dtype, device)
 
 
 def debug_enabled() -> bool:
@@ -337,9 +384,9 @@ def check_device_values(q, k_cache, page_table, cache_seqlens, cu_seqlens_q, kv_
               f"lengths {lens.tolist()} for {new.tolist()} new tokens")
 
 
-def check_slots(k_cache, slot_mapping, page_size: int) -> None:
-    """B12X_DEBUG=1: every slot of write_kv inside the cache."""
+def check_slots(k_cache, slot_mapping, page_size: int, op: str = "write_kv") -> None:
+    """B12X_DEBUG=1: every slot of write_kv (or write_latent) inside the cache."""
     slots = slot_mapping.cpu()
     total = k_cache.shape[0] * page_size
     if bool((slots >= total).any()):
-        _fail("write_kv", "slot_mapping", f"slots < num_pages * page_size = {total} (or < 0 to skip)", slots.tolist())
+        _fail(op, "slot_mapping", f"slots < num_pages * page_size = {total} (or < 0 to skip)", slots.tolist())

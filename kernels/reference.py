@@ -157,16 +157,52 @@ def write_kv_reference(
     page_size = k_cache.shape[1] if kv_layout == "NHD" else k_cache.shape[2]
     for cache, x, sc in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
         for n in range(x.shape[0]):
-            slot = int(slot_mapping[n])
-            if slot < 0 or slot >= cache.shape[0] * page_size:
+            slot = _kept_slot(slot_mapping, n, cache.shape[0] * page_size)
+            if slot is None:
                 continue
-            row = x[n].float()
-            if cache.dtype == torch.float8_e4m3fn:
-                s = torch.ones(()) if sc is None else sc.float().cpu()
+            s = None
+            if sc is not None:
+                s = sc.float().cpu()
                 s = s if s.dim() == 0 else s[n]  # scalar, per token [N] or per token and head [N, Hkv]
-                row = (row.cpu() / (s[:, None] if s.dim() == 1 else s)).clamp(-448.0, 448.0).to(row.device)
+                s = s[:, None] if s.dim() == 1 else s
             page, off = slot // page_size, slot % page_size
             if kv_layout == "NHD":
-                cache[page, off] = row.to(cache.dtype)
+                cache[page, off] = _stored(x[n], cache.dtype, s)
             else:
-                cache[page, :, off] = row.to(cache.dtype)
+                cache[page, :, off] = _stored(x[n], cache.dtype, s)
+
+
+def _kept_slot(slot_mapping: torch.Tensor, n: int, num_slots: int) -> int | None:
+    """Token n's slot, or None where it is skipped: slots < 0 by contract, slots >= num_slots (past the cache) as
+    the clamp of out-of-contract values."""
+    slot = int(slot_mapping[n])
+    return slot if 0 <= slot < num_slots else None
+
+
+def _stored(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: float8_e4m3fn caches hold x / scale (fp32 math; scale None: 1)
+    saturated to +-448, other caches x itself."""
+    row = x.float()
+    if dtype == torch.float8_e4m3fn:
+        s = torch.ones(()) if scale is None else scale.float().cpu()
+        row = (row.cpu() / s).clamp(-448.0, 448.0).to(row.device)
+    return row.to(dtype)
+
+
+def write_latent_reference(
+    ckv: torch.Tensor,
+    kpe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """Writes token n's latent cat(ckv[n], kpe[n]) (kv_lora_rank compressed-KV values, then rope_dim rope-key
+    values) into slot slot_mapping[n] of the latent cache [num_pages, page_size, kv_lora_rank + rope_dim]
+    (page = slot // page_size), in token order (the last of duplicate slots wins), skipping slots as
+    write_kv_reference does; a float8 cache stores latent / scale, saturated."""
+    page_size = kv_cache.shape[1]
+    for n in range(ckv.shape[0]):
+        slot = _kept_slot(slot_mapping, n, kv_cache.shape[0] * page_size)
+        if slot is not None:
+            kv_cache[slot // page_size, slot % page_size] = _stored(torch.cat([ckv[n], kpe[n]]), kv_cache.dtype, scale)

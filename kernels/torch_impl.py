@@ -277,6 +277,17 @@ def write_kv_torch(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, 
         view.index_put_((page, off), rows.to(cache.dtype))
 
 
+def write_latent_torch(ckv, kpe, kv_cache, slot_mapping, *, scale) -> None:
+    """Scatters the latent tokens cat(ckv, kpe) [T, kv_lora_rank + rope_dim] into the latent cache [num_pages,
+    page_size, kv_lora_rank + rope_dim] in place: write_kv_torch over the cache as one KV head whose k_cache is the
+    first kv_lora_rank columns and v_cache the rest (two views of its memory), so slots, duplicates and the
+    float8 scale are write_kv's."""
+    rank = ckv.shape[-1]
+    cache = kv_cache.unsqueeze(2)  # [num_pages, page_size, 1, kv_lora_rank + rope_dim]: NHD, one head
+    write_kv_torch(ckv[:, None], kpe[:, None], cache[..., :rank], cache[..., rank:], slot_mapping, kv_layout="NHD",
+                   k_scale=scale, v_scale=scale)
+
+
 class TorchFamily:
     """The torch family as a KernelFamily (kernels/__init__.py): it takes every problem (last in
     FAMILY_ORDER) and needs no tiles, scratch or compile."""

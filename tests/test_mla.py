@@ -16,7 +16,7 @@ import torch
 import b12x_inductor as b12x
 from b12x_inductor.kernels.reference import paged_attention_reference
 from tests import helpers
-from tests.test_errors import _raises
+from tests.test_errors import _raises, _where
 from tests.test_triton_kernels import check_close, make_inputs
 
 RANK, ROPE, NOPE, VDIM = 512, 64, 128, 128  # DeepSeek-V3's kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim,
@@ -337,11 +337,7 @@ MLA_CASES = [
 def test_mla_attention_bad_input(name, change, exc, message, where):
     args = _mla_args()
     change(args)
-    fn = b12x.mla_attention
-    if where == "compiled":
-        torch._dynamo.reset()
-        fn = torch.compile(fn, fullgraph=True, backend="eager")
-    _raises(fn, exc, message, **args)
+    _raises(_where(b12x.mla_attention, where), exc, message, **args)
 
 
 def test_mla_attention_scale_is_required():
@@ -402,6 +398,303 @@ def test_write_kv_dv(kv_layout):
     assert torch.equal(k_cache, ek) and torch.equal(v_cache, ev)
     page, off = 17 // 4, 17 % 4
     assert torch.equal(v_cache[page, off] if kv_layout == "NHD" else v_cache[page, :, off], v[2])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# mla_write_kv: the latent cache's write (b12x::write_latent)
+
+
+def _new_latents(num, *, dtype=torch.float32, seed=0, rank=RANK, rope=ROPE):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(num, rank, generator=gen).to(dtype), torch.randn(num, rope, generator=gen).to(dtype))
+
+
+def _nan_cache(num_pages, page_size, *, dtype=torch.float32, strided=False):
+    """A latent cache [num_pages, page_size, 576] of NaN (unwritten memory); strided: a view of a wider buffer
+    (padded page and slot strides, the last dim contiguous)."""
+    if strided:
+        return torch.full((num_pages, page_size, RANK + ROPE + 40), float("nan"), dtype=dtype)[..., :RANK + ROPE]
+    return torch.full((num_pages, page_size, RANK + ROPE), float("nan"), dtype=dtype)
+
+
+def _slots(num_slots, slot_dtype, seed):
+    """Slots of 12 tokens: 8 distinct kept slots in random order, two padding tokens (-1, and -7 as any negative
+    slot), a duplicate of a kept slot (the later token wins) and one past the cache (skipped: a 64-bit 2**40 for
+    int64, 2**31 - 1 for int32)."""
+    gen = torch.Generator().manual_seed(seed)
+    kept = torch.randperm(num_slots, generator=gen)[:8].tolist()
+    far = 2**40 if slot_dtype == torch.int64 else 2**31 - 1
+    return torch.tensor(kept[:3] + [-1] + kept[3:6] + [far, kept[1], -7] + kept[6:], dtype=slot_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_mla_write_kv_matches_reference(page_size, slot_dtype, strided, dtype):
+    """Fresh random latents into a NaN cache of their dtype: equal to write_latent_reference bit for bit, each
+    kept token's slot row is cat(ckv[t], kpe[t]) (the later of a duplicate pair), and every other slot is still
+    NaN."""
+    from b12x_inductor.kernels.reference import write_latent_reference
+
+    num_pages = max(2, 24 // page_size)
+    cache = _nan_cache(num_pages, page_size, dtype=dtype, strided=strided)
+    slots = _slots(num_pages * page_size, slot_dtype, seed=page_size)
+    ckv, kpe = _new_latents(len(slots), dtype=dtype, seed=page_size + 1)
+    expected = cache.clone()
+    write_latent_reference(ckv, kpe, expected, slots)
+    b12x.mla_write_kv(ckv, kpe, cache, slots)
+    torch.testing.assert_close(cache, expected, rtol=0, atol=0, equal_nan=True)
+    written = torch.zeros(num_pages * page_size, dtype=torch.bool)
+    for slot in slots.tolist():
+        if 0 <= slot < num_pages * page_size:
+            last = max(i for i, s in enumerate(slots.tolist()) if s == slot)
+            assert torch.equal(cache[slot // page_size, slot % page_size], torch.cat([ckv[last], kpe[last]]))
+            written[slot] = True
+    assert int(written.sum()) == 8
+    flat = cache.reshape(-1, RANK + ROPE)
+    assert flat[written].isfinite().all() and flat[~written].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mla_write_kv_fp8_scale(dtype):
+    """A float8_e4m3fn cache stores value / scale, saturated to +-448 (as write_kv's k_scale), equal to the
+    reference; untouched slots stay NaN; mla_attention reads it back with k_descale=scale, close to attention
+    over a cache of the unquantized latents."""
+    from b12x_inductor.kernels.reference import write_latent_reference
+
+    cache = _nan_cache(3, 16, dtype=torch.float8_e4m3fn)
+    slots = _slots(48, torch.int64, seed=3)
+    ckv, kpe = _new_latents(len(slots), dtype=dtype, seed=4)
+    ckv[0, 0], kpe[2, 5] = 1000.0, -1000.0  # past 448 * scale: saturated
+    scale = torch.tensor(0.37)
+    expected = cache.clone()
+    write_latent_reference(ckv, kpe, expected, slots, scale=scale)
+    b12x.mla_write_kv(ckv, kpe, cache, slots, scale=scale)
+    torch.testing.assert_close(cache.float(), expected.float(), rtol=0, atol=0, equal_nan=True)
+    row = cache[int(slots[0]) // 16, int(slots[0]) % 16].float()
+    assert row[0] == 448.0 and cache[int(slots[2]) // 16, int(slots[2]) % 16, RANK + 5].float() == -448.0
+    latent = torch.cat([ckv, kpe], dim=1).float()
+    torch.testing.assert_close(row[1:] * 0.37, latent[0, 1:], rtol=2 ** -3, atol=0.37 * 2 ** -6)
+    assert int(cache.float().isnan().reshape(48, -1).all(1).sum()) == 48 - 8
+
+    # read back: 8 new tokens (none saturated) in a fresh float8 cache, attended with k_descale=scale, are close
+    # to the same tokens attended unquantized (and far from them without the descale)
+    ckv, kpe = _new_latents(8, dtype=dtype, seed=6)
+    fp8, plain = _nan_cache(1, 16, dtype=torch.float8_e4m3fn), _nan_cache(1, 16)
+    b12x.mla_write_kv(ckv, kpe, fp8, torch.arange(8), scale=scale)
+    b12x.mla_write_kv(ckv.float(), kpe.float(), plain, torch.arange(8))
+    q = torch.randn(1, 1, 4, RANK + ROPE, generator=torch.Generator().manual_seed(5)).to(dtype)
+    args = dict(page_table=torch.zeros(1, 1, dtype=torch.int32), cache_seqlens=torch.tensor([8], dtype=torch.int32),
+                scale=0.05)
+    want = b12x.mla_attention(q.float(), None, plain, **args)
+    got = b12x.mla_attention(q, None, fp8, **args, k_descale=scale).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=0.15)  # float8: 3 mantissa bits
+    assert (b12x.mla_attention(q, None, fp8, **args).float() - want).abs().max() > 0.5
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_mla_write_kv_then_attend_compiled(q_len):
+    """torch.compile(fullgraph=True, Inductor) of write-then-attend: the write is functionalized, so the
+    attention of the same graph reads the new tokens (their slots hold NaN before: a read before the write
+    shows as NaN), equal to eager; the caller's cache (a strided view) is written in place, no copy of it."""
+    from torch._inductor.utils import run_and_get_code
+
+    t, latent = _latent_inputs(q_len=q_len, heads=4, seed=8)
+    page_table, lens = t["page_table"], t["cache_seqlens"]
+    page_size = latent.shape[1]
+    positions = [(b, j) for b in range(len(lens)) for j in range(int(lens[b]) - q_len, int(lens[b]))]
+    slots = torch.tensor([int(page_table[b, j // page_size]) * page_size + j % page_size for b, j in positions])
+    cache = latent.clone()
+    cache.view(-1, RANK + ROPE)[slots] = float("nan")  # the new tokens' slots: unwritten
+    ckv, kpe = _new_latents(len(slots), seed=q_len)
+    q = t["q"]
+    q_nope, q_pe = q[..., :RANK].contiguous(), q[..., RANK:].contiguous()
+
+    def step(ckv, kpe, kv_cache, slots, q_nope, q_pe, page_table, lens):
+        b12x.mla_write_kv(ckv, kpe, kv_cache, slots)
+        return b12x.mla_attention(q_nope, q_pe, kv_cache, page_table, lens, scale=0.05)
+
+    eager_cache = cache.clone()
+    expected = step(ckv, kpe, eager_cache, slots, q_nope, q_pe, page_table, lens)
+    assert expected.isfinite().all()
+    ref, _ = paged_attention_reference(q, eager_cache[:, :, None], eager_cache[:, :, None, :RANK], page_table, lens,
+                                       scale=0.05)
+    torch.testing.assert_close(expected, ref, atol=2e-5, rtol=2e-5)
+
+    buf = torch.full((cache.shape[0], page_size, RANK + ROPE + 64), float("nan"))
+    compiled_cache = buf[..., :RANK + ROPE]
+    compiled_cache.copy_(cache)
+    torch._dynamo.reset()
+    out, (code,) = run_and_get_code(torch.compile(step, fullgraph=True), ckv, kpe, compiled_cache, slots, q_nope,
+                                    q_pe, page_table, lens)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(compiled_cache, eager_cache, rtol=0, atol=0, equal_nan=True)
+    assert buf[..., RANK + ROPE:].isnan().all()
+    assert "torch.ops.b12x.write_latent.default(" in code
+    for copy in ("clone", ".copy_(", "aten.copy"):
+        assert copy not in code, f"generated code copies the cache: {copy}"
+
+
+@pytest.mark.parametrize("where", ["eager", "compiled"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mla_write_kv_decode_loop(page_size, where):
+    """A decode loop over 3 requests: a packed prefill write of their prompts, then 5 steps that each write one
+    token per request (and a padding token with slot -1, as a batch padded for a CUDA graph) and attend. Every
+    step equals mla_attention over a cache built by hand (slot rows assigned directly), bit for bit, and the
+    two caches stay equal, NaN where nothing was written."""
+    gen = torch.Generator().manual_seed(page_size)
+    prompts, steps, heads = [5, 17, 1], 5, 4
+    max_pages = -(-(max(prompts) + steps) // page_size) + 1
+    num_pages = 3 * max_pages + 2
+    page_table = torch.randperm(num_pages, generator=gen)[: 3 * max_pages].reshape(3, max_pages).int()
+    cache, by_hand = _nan_cache(num_pages, page_size), _nan_cache(num_pages, page_size)
+
+    def slot_of(b, j):
+        return int(page_table[b, j // page_size]) * page_size + j % page_size
+
+    def attend(q_nope, q_pe, kv_cache, lens):
+        return b12x.mla_attention(q_nope, q_pe, kv_cache, page_table, lens, scale=SCALE)
+
+    def step(ckv, kpe, slots, q_nope, q_pe, lens):
+        b12x.mla_write_kv(ckv, kpe, cache, slots)
+        return attend(q_nope, q_pe, cache, lens)
+
+    if where == "compiled":
+        torch._dynamo.reset()
+        step = torch.compile(step, fullgraph=True, dynamic=False)
+    prompt_slots = [slot_of(b, j) for b, n in enumerate(prompts) for j in range(n)]
+    ckv, kpe = _new_latents(len(prompt_slots), seed=99)
+    b12x.mla_write_kv(ckv, kpe, cache, torch.tensor(prompt_slots))
+    for t, slot in enumerate(prompt_slots):
+        by_hand[slot // page_size, slot % page_size] = torch.cat([ckv[t], kpe[t]])
+    lens = list(prompts)
+    for i in range(steps):
+        ckv, kpe = _new_latents(4, seed=i)
+        slots = [slot_of(b, lens[b]) for b in range(3)]
+        for b, slot in enumerate(slots):
+            by_hand[slot // page_size, slot % page_size] = torch.cat([ckv[b], kpe[b]])
+        lens = [n + 1 for n in lens]
+        seqlens = torch.tensor(lens, dtype=torch.int32)
+        q_nope = torch.randn(3, 1, heads, RANK, generator=gen)
+        q_pe = torch.randn(3, 1, heads, ROPE, generator=gen)
+        out = step(ckv, kpe, torch.tensor(slots + [-1]), q_nope, q_pe, seqlens)
+        assert out.isfinite().all()
+        torch.testing.assert_close(out, attend(q_nope, q_pe, by_hand, seqlens), rtol=0, atol=0)
+        torch.testing.assert_close(cache, by_hand, rtol=0, atol=0, equal_nan=True)
+    live = sum(lens)
+    assert int(cache.reshape(-1, RANK + ROPE).isfinite().all(1).sum()) == live
+
+
+def test_mla_write_kv_out_of_range_slots_under_debug(monkeypatch):
+    """As write_kv: a slot past the cache is skipped without B12X_DEBUG and raises with B12X_DEBUG=1."""
+    ckv, kpe = _new_latents(2)
+    cache = torch.zeros(5, 4, RANK + ROPE)
+    slots = torch.tensor([3, 20], dtype=torch.int32)
+    b12x.mla_write_kv(ckv, kpe, cache, slots)
+    assert torch.equal(cache[0, 3], torch.cat([ckv[0], kpe[0]])) and int(cache.ne(0).any(-1).sum()) == 1
+    monkeypatch.setenv("B12X_DEBUG", "1")
+    with pytest.raises(ValueError, match=r"^write_latent: slot_mapping must be slots < num_pages \* page_size = 20"):
+        b12x.mla_write_kv(ckv, kpe, cache, slots)
+
+
+def test_mla_write_kv_cuda_path_never_reads_device_values_on_the_host():
+    """write_latent_torch (what the op runs on CUDA too, inside CUDA graphs) with duplicate, skipped and
+    out-of-range slots: no host read of a device value (under FakeTensorMode one would raise)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from b12x_inductor.kernels.torch_impl import write_latent_torch
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        ckv, kpe = torch.randn(5, RANK), torch.randn(5, ROPE)
+        write_latent_torch(ckv, kpe, torch.randn(4, 16, RANK + ROPE), torch.tensor([7, -1, 7, 10**9, 3]), scale=None)
+        write_latent_torch(ckv.bfloat16(), kpe.bfloat16(), torch.empty(4, 16, RANK + ROPE, dtype=torch.float8_e4m3fn),
+                           torch.tensor([7, -1, 7, 10**9, 3], dtype=torch.int32), scale=torch.tensor(0.5))
+
+
+def test_mla_write_kv_grad_and_opcheck():
+    """No backward (as write_kv): an input that requires grad is refused with grad mode on, fine under no_grad;
+    torch.library.opcheck passes (schema with its mutation, fake, autograd registration, AOT dispatch)."""
+    ckv, kpe = _new_latents(3)
+    cache = torch.zeros(5, 4, RANK + ROPE)
+    slots = torch.tensor([0, 9, -1])
+    with pytest.raises(RuntimeError, match="write_latent: ckv requires grad with grad mode on"):
+        b12x.mla_write_kv(ckv.clone().requires_grad_(), kpe, cache, slots)
+    with torch.no_grad():
+        b12x.mla_write_kv(ckv.clone().requires_grad_(), kpe, cache, slots)
+    assert torch.equal(cache[2, 1], torch.cat([ckv[1], kpe[1]])) and not cache.requires_grad
+    op = torch.ops.b12x.write_latent.default
+    torch.library.opcheck(op, (ckv, kpe, torch.randn(5, 4, RANK + ROPE), slots))
+    torch.library.opcheck(op, (ckv.bfloat16(), kpe.bfloat16(), torch.randn(5, 4, RANK + ROPE).bfloat16(),
+                               slots.int()))
+
+
+def _write_latent_args():
+    ckv, kpe = _new_latents(3)
+    return dict(ckv=ckv, kpe=kpe, kv_cache=torch.zeros(5, 4, RANK + ROPE), slot_mapping=torch.tensor([0, 1, 2]))
+
+
+_FP8 = dict(ckv=lambda a: a["ckv"].bfloat16(), kpe=lambda a: a["kpe"].bfloat16(),
+            kv_cache=lambda a: a["kv_cache"].to(torch.float8_e4m3fn))
+WRITE_LATENT_CASES = [
+    ("ckv_dims", _set(ckv=lambda a: a["ckv"][None]), ValueError, "ckv must be 2-dimensional"),
+    ("ckv_dtype", _set(ckv=lambda a: a["ckv"].double()), TypeError,
+     "ckv must be of dtype torch.bfloat16, torch.float16 or torch.float32; got torch.float64"),
+    ("ckv_width", _set(ckv=lambda a: torch.randn(3, 576)), ValueError,
+     r"ckv must be of shape \[T, kv_lora_rank\] with 0 < kv_lora_rank < 576 .*; got shape \(3, 576\)"),
+    ("kpe_width", _set(kpe=lambda a: a["kpe"][:, :32]), ValueError,
+     r"kpe must be of shape \[T, rope_dim\] = \(3, 64\) .*; got shape \(3, 32\)"),
+    ("kpe_tokens", _set(kpe=lambda a: torch.randn(4, 64)), ValueError,
+     r"kpe must be of shape \[T, rope_dim\] = \(3, 64\) .*; got shape \(4, 64\)"),
+    ("kpe_dtype", _set(kpe=lambda a: a["kpe"].half()), TypeError, "kpe must be of ckv's dtype torch.float32"),
+    ("cache_width", _set(kv_cache=lambda a: torch.zeros(5, 4, 520)), ValueError,
+     r"kpe must be of shape \[T, rope_dim\] = \(3, 8\) \(ckv's T; rope_dim = kv_cache's last dim 520"),
+    ("cache_dims", _set(kv_cache=lambda a: a["kv_cache"][:, :, None]), ValueError, "kv_cache must be 3-dimensional"),
+    ("cache_stride", _set(kv_cache=lambda a: torch.zeros(5, 576, 4).transpose(1, 2)), ValueError,
+     r"kv_cache must be contiguous in its last dim; got strides \(2304, 1, 4\)"),
+    ("cache_pages", _set(kv_cache=lambda a: a["kv_cache"][:0]), ValueError,
+     r"kv_cache must be a cache with at least one page .*; got shape \(0, 4, 576\)"),
+    ("cache_dtype", _set(kv_cache=lambda a: a["kv_cache"].half()), TypeError,
+     "kv_cache must be of ckv's dtype torch.float32 or torch.float8_e4m3fn"),
+    ("fp8_with_fp32", _set(kv_cache=_FP8["kv_cache"], scale=torch.tensor(1.0)), TypeError,
+     r"kv_cache must be .* \(with bf16/fp16 ckv\); got torch.float8_e4m3fn"),
+    ("cache_list", _set(kv_cache=[0.0]), TypeError, "kv_cache must be a torch.Tensor; got list"),
+    ("slots_dtype", _set(slot_mapping=lambda a: a["slot_mapping"].short()), TypeError,
+     "slot_mapping must be of dtype torch.int64 or torch.int32; got torch.int16"),
+    ("slots_float", _set(slot_mapping=lambda a: a["slot_mapping"].float()), TypeError,
+     "slot_mapping must be of dtype torch.int64 or torch.int32"),
+    ("slots_shape", _set(slot_mapping=lambda a: a["slot_mapping"][:2]), ValueError,
+     r"slot_mapping must be of shape \(3,\); got shape \(2,\)"),
+    ("slots_list", _set(slot_mapping=[0, 1, 2]), TypeError, "slot_mapping must be a torch.Tensor; got list"),
+    ("scale_not_fp8", _set(scale=torch.tensor(0.5)), ValueError,
+     "scale must be None for a cache that is not float8_e4m3fn"),
+    ("scale_missing", _set(**_FP8), ValueError,
+     r"scale must be a float32 scalar tensor for a float8_e4m3fn kv_cache .*; got None"),
+    ("scale_shape", _set(**_FP8, scale=torch.ones(3)), ValueError,
+     r"scale must be a float32 scalar tensor \(shape \(\)\); got shape \(3,\)"),
+    ("scale_dtype", _set(**_FP8, scale=torch.tensor(0.5, dtype=torch.float64)), TypeError,
+     "scale must be of dtype torch.float32; got torch.float64"),
+    ("scale_float", _set(**_FP8, scale=0.5), TypeError, "scale must be a torch.Tensor or None; got float 0.5"),
+]
+
+
+@pytest.mark.parametrize("name,change,exc,message", WRITE_LATENT_CASES, ids=[c[0] for c in WRITE_LATENT_CASES])
+@pytest.mark.parametrize("where", ["eager", "compiled"])
+def test_mla_write_kv_bad_input(name, change, exc, message, where):
+    args = _write_latent_args()
+    change(args)
+    _raises(_where(b12x.mla_write_kv, where), exc, "^write_latent: " + message, **args)
+
+
+def test_mla_write_kv_good_input_runs_in_every_where():
+    """The bad-input cases mean something only if the unchanged call (and its fp8 form) runs eagerly and compiled."""
+    for fp8 in (False, True):
+        for where in ("eager", "compiled"):
+            args = _write_latent_args()
+            if fp8:
+                _set(**_FP8, scale=torch.tensor(0.5))(args)
+            _where(b12x.mla_write_kv, where)(**args)
+            assert args["kv_cache"][0, :3].float().ne(0).any(), (fp8, where)
 
 
 # ---- transformers' DeepSeek-V3 (non-absorbed: q/k head dim 192, v head dim 128) ----
