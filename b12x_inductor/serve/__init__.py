@@ -4,6 +4,7 @@ speculative verify; the model forward is compiled once per static bucket.
 Pieces (each a short module): `config.ServeConfig` (the static shape), `pages.PageAllocator` (the free
 list), `scheduler.Scheduler` (which tokens run each step; preemption by recompute), `draft` (prompt-lookup
 drafts), `runner.ModelRunner` (the compiled forward of a transformers causal LM over the paged pool),
+`mla.absorb_mla` (DeepSeek-V3: its attention absorbed over a paged latent cache, installed by the runner),
 `engine.Engine` (the loop and its report). CLI: `python -m b12x_inductor.serve --demo`.
 """
 

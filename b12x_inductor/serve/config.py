@@ -20,7 +20,8 @@ def _pow2_buckets(first: int, last: int) -> tuple[int, ...]:
 class ServeConfig:
     """Static shape of the serving loop.
 
-    num_pages x page_size token slots per layer hold the KV of all running requests. A step runs at most
+    num_pages x page_size token slots per layer hold the KV of all running requests (an MLA model's: its
+    latent, kv_lora_rank + qk_rope_head_dim values a token and layer, 576 for DeepSeek-V3). A step runs at most
     `max_batch` requests and `token_budget` tokens. Compiled buckets: decode batches `decode_buckets`
     (default 1, 2, 4, ..., max_batch), the same batches for verify steps of 1 + num_draft tokens per
     request when num_draft > 0, and extend steps of `extend_buckets` packed tokens (default 128, 256, ...,

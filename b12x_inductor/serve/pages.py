@@ -1,7 +1,8 @@
 """The page allocator: a free list over the KV page pool.
 
 The pool holds `num_pages` pages of `page_size` token slots in every layer (one [num_pages, page_size, Hkv, D]
-key and value tensor per layer, owned by the runner); page p is page p of every layer, so one free list serves
+key and value tensor per layer, owned by the runner; for an MLA model one latent tensor [num_pages, page_size,
+kv_lora_rank + qk_rope_head_dim] per layer instead); page p is page p of every layer, so one free list serves
 them all. A request owns a page table (its list of page ids, in position order): token position i lives in
 page `pages[i // page_size]` at offset `i % page_size`, i.e. slot `pages[i // page_size] * page_size + i %
 page_size`. Pages return to the free list when a request finishes or is preempted (its KV is recomputed later).

@@ -20,6 +20,12 @@ columns that the request freed (before its window) hold page 0: no query of the 
 (paged_attention's window), and the pool holds finite values only (zero-initialized, written with the model's
 keys and values), so a kernel that reads such a key anyway gives it probability 0.
 
+An MLA model (DeepSeek-V3: `serve.mla.is_mla`, by its config) runs the same steps and metadata with its
+attention modules' forwards replaced by the absorbed latent attention (`serve.mla.absorb_mla`: `mla_write_kv`
+of each new token's compressed KV and rope key, then `mla_attention`), over a latent pool: per layer one
+[num_pages, page_size, kv_lora_rank + qk_rope_head_dim] tensor (576 values a token for DeepSeek-V3, one KV
+head) in place of the key and value tensors, in the one pool "full" (MLA layers have no windows).
+
 Padding (rows of a bucket that no request uses) gets slot -1 (nothing written), seqlen 0 and page 0, and sits
 past cu_seqlens_q[-1] in extend steps; its outputs are ignored. The host copies the metadata in once and
 reads the sampled tokens once per step; nothing else syncs.
@@ -37,6 +43,7 @@ import torch
 import b12x_inductor as b12x
 from b12x_inductor.lowering import _inductor
 from b12x_inductor.plan import HEAD_DIMS
+from b12x_inductor.serve import mla
 from b12x_inductor.serve.config import ServeConfig
 from b12x_inductor.serve.scheduler import Step
 
@@ -200,7 +207,7 @@ def layer_windows(model) -> list[int | None]:
                          f"False); got is_causal={getattr(cfg, 'is_causal', None)}, use_bidirectional_attention="
                          f"{getattr(cfg, 'use_bidirectional_attention', None)}: {instead}")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if head_dim not in HEAD_DIMS:
+    if head_dim not in HEAD_DIMS and not mla.is_mla(cfg):  # MLA: the latent widths, checked by serve.mla
         raise ValueError(f"ModelRunner: {name} head_dim must be one of {HEAD_DIMS} (the kernels' head dims); "
                          f"got {head_dim}: {instead}")
 
@@ -246,15 +253,20 @@ class ModelRunner:
     keys and values [pages, page_size, Hkv, D] in the model's dtype, on its device, zero-initialized; the
     layer's pool is `pools[layer_pool[layer]]`: "full" (num_pages pages) or, for window layers that recycle
     their pages, "window" (window_num_pages pages; `window` is the layers' sliding window, the largest if they
-    differ).
+    differ). An MLA model (`mla`: DeepSeek-V3) has instead one latent tensor per layer, [pages, page_size,
+    kv_lora_rank + qk_rope_head_dim] (`kv[layer]` is that tensor), and its attention forwards absorbed
+    (`serve.mla.absorb_mla`).
     """
 
     def __init__(self, model, config: ServeConfig) -> None:
         self.windows = layer_windows(model)  # refuses what the engine cannot serve, before touching the model
+        cfg = model.config.get_text_config(decoder=True)
+        self.mla = mla.is_mla(cfg)
+        if self.mla:
+            mla.check_model(model, self.windows, compile=config.compile)  # what absorb_mla refuses, also first
         register_attention()
         self.model, self.config = model, config
         self.decoder, self.lm_head = model.get_decoder(), model.get_output_embeddings()
-        cfg = model.config.get_text_config(decoder=True)
         hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
@@ -268,16 +280,22 @@ class ModelRunner:
             self.pool_pages["window"] = config.window_pool_pages(self.window)
         self.kv = []
         for pool in self.layer_pool:
+            if self.mla:  # the latent cache: [c | k_pe] per token, one KV head
+                shape = (self.pool_pages[pool], config.page_size, mla.latent_width(cfg))
+                self.kv.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+                continue
             shape = (self.pool_pages[pool], config.page_size, hkv, head_dim)
             self.kv.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
                             torch.zeros(shape, dtype=self.dtype, device=self.device)))
-        model.set_attn_implementation(ATTN_NAME)
+        model.set_attn_implementation(ATTN_NAME)  # MLA too: no mask is built for it
+        if self.mla:
+            mla.absorb_mla(model, self.windows, compile=config.compile)
         model.eval()
         self.cuda_graphs = config.cuda_graphs and self.device.type == "cuda"
         if self.cuda_graphs:
-            for k, v in self.kv:  # mutated in place by the graphs: their addresses must stay fixed
-                torch._dynamo.mark_static_address(k)
-                torch._dynamo.mark_static_address(v)
+            for tensors in self.kv:  # mutated in place by the graphs: their addresses must stay fixed
+                for t in (tensors,) if self.mla else tensors:
+                    torch._dynamo.mark_static_address(t)
         self.buckets = ([("decode", b, 1) for b in config.decode_sizes]
                         + [("verify", b, 1 + config.num_draft) for b in config.decode_sizes if config.num_draft]
                         + [("extend", config.max_batch, t) for t in config.extend_sizes])
@@ -286,6 +304,9 @@ class ModelRunner:
         regional_ok = isinstance(getattr(self.decoder, "layers", None), torch.nn.ModuleList)
         self.regional = config.compile and (regional_ok if config.regional_compile is None else config.regional_compile)
         self.layer_kinds = len(set(self.windows))  # layers that can share a regional graph: one per window
+        if self.mla:  # and DeepSeek-V3's dense layers (first_k_dense_replace) trace apart from its MoE layers
+            self.layer_kinds = len({(w, type(getattr(layer, "mlp", None)))
+                                    for w, layer in zip(self.windows, self.decoder.layers)})
         self._install_layers()
         self._graphs: dict[tuple[str, int, int], tuple] = {}  # regional on CUDA: bucket -> (graph, meta, out)
         self._pool = None
