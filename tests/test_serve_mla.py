@@ -217,6 +217,9 @@ def test_pool_is_one_latent_tensor_per_layer():
                                                                      512 + ROPE)
         assert latent.dtype == torch.float32 and not latent.any()
     assert runner.kv[0].untyped_storage().data_ptr() != runner.kv[1].untyped_storage().data_ptr()
+    from b12x_inductor.bench.serve import kv_bytes_per_page  # the serve bench's memory accounting
+
+    assert kv_bytes_per_page(engine) == 2 * _CONFIG["page_size"] * (512 + ROPE) * 4
     requests = [Request(prompt=list(range(1, 12)), max_new_tokens=4)]
     engine.serve(requests)
     for latent in runner.kv:

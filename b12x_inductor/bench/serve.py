@@ -193,10 +193,12 @@ def run_generate_batch(model, requests, device, attn: str = "sdpa") -> dict:
 
 
 def kv_bytes_per_page(engine: Engine, pool: str = "full") -> int:
-    """Bytes of one page id across one of the engine's pools: keys and values of each layer in that pool."""
+    """Bytes of one page id across one of the engine's pools: keys and values (or MLA's one latent cache) of
+    each layer in that pool."""
     runner = engine.runner
-    return sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
-               for (k, v), p in zip(runner.kv, runner.layer_pool) if p == pool)
+    caches = [(kv,) if isinstance(kv, torch.Tensor) else kv for kv in runner.kv]
+    return sum(c[0].numel() * c.element_size() for layer, p in zip(caches, runner.layer_pool) if p == pool
+               for c in layer)
 
 
 def kv_gib(engine: Engine) -> tuple[float, float]:
