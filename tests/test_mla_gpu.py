@@ -209,8 +209,13 @@ def kernel_plan(mode, heads, page_size, kv_dtype, descale, device):
     return plan
 
 
+# The CPU twin checks the harness, not the kernels: the 16-head cases (both cache dtypes and page sizes) keep
+# it to a few seconds (the 128-head packed extends take 10 s each on the CPU reference).
+TWIN_CASES = [c for c in REPLAY_CASES if c[1] == 16]
+
+
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("case", REPLAY_CASES, ids=[c[0] for c in REPLAY_CASES])
+@pytest.mark.parametrize("case", TWIN_CASES, ids=[c[0] for c in TWIN_CASES])
 @pytest.mark.parametrize("mode", list(REPLAY_MODES))
 def test_cpu_twin_mla_replays(mode, case):
     """The replay test's body on the CPU (the torch family, eager calls in the replays' place); and that its
