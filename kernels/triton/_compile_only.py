@@ -3,8 +3,8 @@ GPU at all), and loading a compiled kernel ahead of its first launch.
 
 `precompile_for(problem, plan, options, cc)` compiles (`triton.compile` of an `ASTSource` for a `GPUTarget`)
 the same arguments and constants that `precompile` hands to `JITFunction.warmup` on a GPU
-(kernels/triton/__init__.py: `_launch`), for compute capability `cc` (80, 89, 90, 100, 120 ...) instead of
-the current device. No kernel is loaded or run; the result's metadata says what it needs (shared memory,
+(kernels/triton/__init__.py: `_launch`), specialized as the JIT specializes them there, for compute
+capability `cc` (80, 89, 90, 100, 120 ...) instead of the current device. No kernel is loaded or run; the result's metadata says what it needs (shared memory,
 registers). `load_now(kernel)` loads a warmed-up kernel's module (`CompiledKernel._init_handles`), which
 Triton otherwise does at the first launch, possibly inside a CUDA-graph capture.
 """
@@ -13,41 +13,45 @@ from __future__ import annotations
 
 import torch
 
-_POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
-            torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
-
-
-def _scalar_type(value) -> str:
-    if isinstance(value, torch.dtype):
-        return _POINTER[value]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"compile-only: no Triton type for argument {value!r}")
-
 
 def compile_kernel(kernel, args: tuple, consts: dict, tune: dict, cc: int):
     """Compiles one `@triton.jit` kernel for the arguments `kernel.warmup(*args, **consts, **tune)` would
-    take (pointers given as torch dtypes), for CUDA compute capability `cc` (major * 10 + minor)."""
+    take (pointers given as torch dtypes), for CUDA compute capability `cc` (major * 10 + minor).
+
+    Every argument is specialized as the JIT's binder specializes it at a launch on the GPU (Triton's
+    `native_specialize_impl` with the target's backend, `_pack_args`' signature / constexprs / attrs): a pointer
+    as 16-byte aligned (`tt.divisibility` 16: a stand-in tensor of its dtype, as torch's allocations are), an
+    int as a multiple of 16 where it is one, as the constant 1 where it is 1, and neither where the kernel
+    says do_not_specialize. Without those attributes Triton vectorizes no load whose address it cannot prove
+    aligned, and the compiled kernel (registers, spills, shared memory) is not the one the GPU runs."""
     import triton
+    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
 
+    target = GPUTarget("cuda", cc, 32)
+    backend = make_backend(target)
     values = dict(zip(kernel.arg_names, args))
     values.update(consts)
-    signature, constexprs = {}, {}
-    for param in kernel.params:
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(kernel.params):
         value = values[param.name]
         if param.is_constexpr:
             signature[param.name] = "constexpr"
             constexprs[param.name] = value
-        else:
-            signature[param.name] = _scalar_type(value)
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", cc, 32), options=dict(tune))
+            continue
+        if isinstance(value, torch.dtype):
+            value = torch.empty(16, dtype=value)  # a stand-in: its data pointer is 16-byte aligned
+        kind, attr = native_specialize_impl(backend, value, param.is_const, not param.do_not_specialize,
+                                            not param.do_not_specialize_on_alignment)
+        signature[param.name] = kind
+        if kind == "constexpr":  # an int specialized to its value (1)
+            constexprs[param.name] = value
+        elif isinstance(attr, str):
+            attrs[(i,)] = backend.parse_attr(attr)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=target, options=dict(tune))
 
 
 def precompile_for(problem, plan, options, cc: int) -> list:
@@ -66,3 +70,24 @@ def load_now(kernel) -> None:
     init = getattr(kernel, "_init_handles", None)
     if init is not None:
         init()
+
+
+def resource_usage(kernel) -> dict:
+    """{"registers", "stack", "shared"} of a compiled kernel (per thread: registers and stack bytes, where
+    spilled registers go; per block: static + dynamic shared bytes), from its cubin by the cuobjdump that
+    ships with Triton's NVIDIA backend (`--dump-resource-usage`); no GPU needed."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    found = dict(re.findall(r"\b(REG|STACK):(\d+)", text))
+    return dict(registers=int(found["REG"]), stack=int(found["STACK"]), shared=int(kernel.metadata.shared))

@@ -8,9 +8,14 @@ of capacity. float8 caches take 128-key tiles (half the bytes per key). Extend: 
 
 The tiles follow the wider of the two head dims, max(D, Dv) (D for plain GQA). Above 256 (MLA's absorbed
 D = 576 / Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take 16 query rows by
-16 keys with 4 warps and extend 32 x 16 with 8 warps: the largest tiles that compile for sm90 without
-register spills (ptxas -v: 16 x 32 keys with 4 warps, SGLang's Triton MLA decode tile, spills 504 bytes a
-thread; 32 x 32 extend 204), with 26-55 KB of shared memory. Not yet measured on a GPU.
+16 keys with 4 warps and extend 32 x 16 with 8 warps. Not yet measured on a GPU. The spills that made these
+the choice were measured on compiles without the JIT's alignment specialization; compiled as the GPU
+compiles them (kernels/triton/_compile_only.py, Triton 3.6, sm90), larger tiles do not spill either:
+- decode 16 x 32 with 4 warps (SGLang's Triton MLA decode tile);
+- decode 32 x 16 with 8 warps (half the KV re-reads at 128 heads);
+- extend 32 x 32 with 8 warps.
+Which is fastest awaits `python -m b12x_inductor.bench mla --variants ...` on the H200
+(benchmarks/results/h200.md, "Registers and shared memory as the GPU compiles them").
 """
 
 from __future__ import annotations
