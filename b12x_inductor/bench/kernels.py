@@ -636,11 +636,7 @@ def run_row(row, peers, variants, bw, families=()):
         except Exception as e:
             entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         result["impls"][name] = entry
-    peer_us = [e["us"] for n, e in result["impls"].items() if not n.startswith("b12x") and "us" in e]
-    ours = result["impls"].get("b12x", {})
-    if peer_us and "us" in ours:
-        result["best_peer_us"] = min(peer_us)
-        result["speedup_vs_best_peer"] = min(peer_us) / ours["us"]
+    ratio = versus_best_peer(result)
     parts = []
     for n, e in result["impls"].items():
         if "us" in e:
@@ -652,12 +648,23 @@ def run_row(row, peers, variants, bw, families=()):
             parts.append(f"{n} ERROR {e.get('error', '')[:120]}")
         else:
             parts.append(f"{n} checked (max err {e['max_err']:.2g})" + (", profiled" if DEVICE == "cuda" else ""))
-    ratio = f" | vs best peer x{result['speedup_vs_best_peer']:.2f}" if "speedup_vs_best_peer" in result else ""
     log(f"[{label}] " + "; ".join(parts) + ratio)
     del sets
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def versus_best_peer(result) -> str:
+    """Sets a row's best_peer_us and speedup_vs_best_peer (the fastest timed peer's µs over b12x's: above 1,
+    b12x is faster) where both were timed; returns the progress line's " | vs best peer xN.NN" ('' if not)."""
+    peer_us = [e["us"] for n, e in result["impls"].items() if not n.startswith("b12x") and "us" in e]
+    ours = result["impls"].get("b12x", {})
+    if not (peer_us and "us" in ours):
+        return ""
+    result["best_peer_us"] = min(peer_us)
+    result["speedup_vs_best_peer"] = min(peer_us) / ours["us"]
+    return f" | vs best peer x{result['speedup_vs_best_peer']:.2f}"
 
 
 def chart(results, path):

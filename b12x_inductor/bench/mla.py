@@ -340,11 +340,7 @@ def run_row(mode, batch, length, q_len, heads, kv_dtype, peers, variants, bw):
         except Exception as e:
             entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         result["impls"][name] = entry
-    peer_us = [e["us"] for n, e in result["impls"].items() if not n.startswith("b12x") and "us" in e]
-    ours = result["impls"]["b12x"]
-    if peer_us and "us" in ours:
-        result["best_peer_us"] = min(peer_us)
-        result["speedup_vs_best_peer"] = min(peer_us) / ours["us"]
+    ratio = kernels.versus_best_peer(result)
     parts = []
     for n, e in result["impls"].items():
         if "us" in e:
@@ -354,7 +350,6 @@ def run_row(mode, batch, length, q_len, heads, kv_dtype, peers, variants, bw):
             parts.append(f"{n} n/a ({e['unsupported'][:120]})")
         else:
             parts.append(f"{n} ERROR {e['error'][:160]}")
-    ratio = f" | vs best peer x{result['speedup_vs_best_peer']:.2f}" if "speedup_vs_best_peer" in result else ""
     log(f"[{label}] " + "; ".join(parts) + ratio)
     del sets
     if _device() == "cuda":
