@@ -179,13 +179,9 @@ def assert_same_run(got: Run, want: Run, *, rtol, atol, exact_tokens: bool, msg:
     greedy tokens differ (from there the two runs decode different sequences)."""
     n = got.tokens.shape[1]
     assert want.tokens.shape == got.tokens.shape and len(got.logits) == len(want.logits) == n
-    differs = (got.tokens != want.tokens).any(0).nonzero()
     if exact_tokens:
         torch.testing.assert_close(got.tokens, want.tokens, rtol=0, atol=0, msg=lambda m: f"{m}\n{msg}")
-        last = n
-    else:
-        last = int(differs[0]) + 1 if len(differs) else n
-    for i in range(last):
+    for i in range(steps_agreeing(want, got)):
         torch.testing.assert_close(got.logits[i].float(), want.logits[i].float(), rtol=rtol, atol=atol,
                                    equal_nan=True, msg=lambda m, i=i: f"step {i}: {m}\n{msg}")
 
