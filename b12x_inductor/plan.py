@@ -65,6 +65,7 @@ class Problem:
     capability: tuple[int, int] = (0, 0)  # compute capability (cuda)
     key_mask: bool = False  # a key_mask tensor is passed (the kernel reads it: families that do not, refuse)
     v_head_dim: int | None = None  # Dv: v's and out's head dim; None (the default) means head_dim
+    window_left: int = -1  # the sliding window (a query at position i sees keys i - window_left .. i); -1: none
 
     def __post_init__(self):
         if self.v_head_dim is None:
@@ -77,6 +78,15 @@ class Problem:
     @property
     def kv_capacity(self) -> int:
         return self.max_pages * self.page_size
+
+    @property
+    def kv_span(self) -> int:
+        """The most keys one request's queries can see: the capacity, or with a window the window_left + S
+        keys that S consecutive queries reach (what split-KV partitions; the kernels bound their key range
+        by the window on the device)."""
+        if self.window_left < 0 or self.packed:
+            return self.kv_capacity
+        return min(self.kv_capacity, self.window_left + self.q_len)
 
     @property
     def mode(self) -> str:
@@ -197,10 +207,11 @@ def with_tiles(problem: Problem, plan: Plan, tiles: dict, *, always_split: bool 
 def split_count(problem: Problem, programs: int, *, programs_per_sm: int, min_split_keys: int,
                 max_splits: int) -> int:
     """Split-KV partitions: the smallest power of two that brings `programs` x splits to about
-    programs_per_sm per SM, each split keeping at least min_split_keys keys of capacity."""
+    programs_per_sm per SM, each split keeping at least min_split_keys of the keys a query can see
+    (`Problem.kv_span`: the capacity, or the window's keys)."""
     target = prev_pow2(programs_per_sm * max(problem.sm_count, 1))
     num_splits = 1
     while (programs * num_splits < target and num_splits < max_splits
-           and problem.kv_capacity // (2 * num_splits) >= min_split_keys):
+           and problem.kv_span // (2 * num_splits) >= min_split_keys):
         num_splits *= 2
     return num_splits

@@ -285,6 +285,7 @@ def check_paged_attention(
         num_q_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(d), v_head_dim=int(dv), page_size=int(page_size),
         max_pages=int(max_pages), q_dtype=q.dtype, kv_dtype=k_cache.dtype, kv_layout=kv_layout,
         device_type=device.type, sm_count=sm_count, capability=capability, key_mask=key_mask is not None,
+        window_left=int(window_left),
     )
 
 

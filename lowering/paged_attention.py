@@ -33,7 +33,7 @@ def _sizes(node) -> list[int]:
     return [_inductor.static_int(s) for s in node.get_size()]
 
 
-def _problem(q, k_cache, v_cache, page_table, kv_layout: str, key_mask: bool = False) -> Problem:
+def _problem(q, k_cache, v_cache, page_table, kv_layout: str, key_mask: bool = False, window_left: int = -1) -> Problem:
     q_size, kv_size, pt_size = _sizes(q), _sizes(k_cache), _sizes(page_table)
     v_head_dim = _sizes(v_cache)[-1]
     page_size, hkv = cache_dims(kv_size, kv_layout)
@@ -43,13 +43,14 @@ def _problem(q, k_cache, v_cache, page_table, kv_layout: str, key_mask: bool = F
         batch=pt_size[0], q_len=q_size[1] if len(q_size) == 4 else q_size[0], packed=len(q_size) == 3,
         num_q_heads=q_size[-2], num_kv_heads=hkv, head_dim=q_size[-1], v_head_dim=v_head_dim, page_size=page_size,
         max_pages=pt_size[1], q_dtype=q.get_dtype(), kv_dtype=k_cache.get_dtype(), kv_layout=kv_layout,
-        device_type=device.type, sm_count=sm_count, capability=capability, key_mask=key_mask)
+        device_type=device.type, sm_count=sm_count, capability=capability, key_mask=key_mask,
+        window_left=window_left)
 
 
 def _lower(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *, kv_layout="NHD", causal=True,
            scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=None, v_descale=None,
            key_mask=None, out=None):
-    problem = _problem(q, k_cache, v_cache, page_table, kv_layout, key_mask is not None)
+    problem = _problem(q, k_cache, v_cache, page_table, kv_layout, key_mask is not None, window_left)
     plan = plan_for(problem)
     q_size = _sizes(q)
     device = q.get_device()

@@ -217,7 +217,10 @@ def test_plans_for_dv():
     assert not cute.supports(p) and cute.supports(Problem(**{**base, "head_dim": 128, "v_head_dim": 128}))
     assert Problem(**{**base, "v_head_dim": None}).v_head_dim == 576
     plan = select_plan(p)
-    assert (plan.family, plan.block_m, plan.block_n, plan.num_warps) == ("triton", 16, 16, 4) and plan.num_splits > 1
+    assert (plan.family, plan.block_m, plan.block_n, plan.num_warps) == ("triton", 16, 32, 4) and plan.num_splits > 1
+    wide = select_plan(Problem(**{**base, "num_q_heads": 128}))  # 64 query rows a program on sm90 / sm100
+    assert (wide.block_m, wide.block_n, wide.num_warps) == (64, 32, 8)
+    assert select_plan(Problem(**{**base, "num_q_heads": 128, "capability": (8, 9)})).block_m == 16  # 99 KB
     assert plan.scratch_bytes == split_scratch_bytes(p, plan.num_splits) == 8 * 16 * plan.num_splits * 513 * 4
     extend = select_plan(Problem(**{**base, "q_len": 300}))
     assert (extend.family, extend.block_m, extend.block_n, extend.num_warps) == ("triton", 32, 16, 8)

@@ -12,6 +12,10 @@ BASE = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, q_dtype=
             kv_dtype=torch.bfloat16, kv_layout="NHD", packed=False)
 
 
+GPT_OSS = dict(num_q_heads=64, num_kv_heads=8, head_dim=64)
+MLA = dict(num_kv_heads=1, head_dim=576, v_head_dim=512, page_size=64)
+
+
 def _row(name, **kw):
     p = Problem(**{**BASE, **kw})
     plan = select_plan(p)
@@ -39,6 +43,19 @@ def table() -> str:
         _row("h200 extend 4x4096", batch=4, q_len=4096, max_pages=256, **H200),
         _row("h200 packed T=16384", batch=1, q_len=16384, packed=True, max_pages=1024, **H200),
         _row("h200 extend D=256", batch=2, q_len=512, max_pages=64, head_dim=256, **H200),
+        # a sliding window bounds the keys a query sees: the splits follow window_left + S, not the capacity
+        _row("h200 swa127 decode 32x4096", batch=32, q_len=1, max_pages=256, window_left=127, **GPT_OSS, **H200),
+        _row("h200 full decode 32x4096", batch=32, q_len=1, max_pages=256, **GPT_OSS, **H200),
+        _row("h200 swa127 verify 32x4096", batch=32, q_len=4, max_pages=256, window_left=127, **GPT_OSS, **H200),
+        _row("h200 swa1023 decode 8x16384", batch=8, q_len=1, max_pages=1024, window_left=1023, **GPT_OSS, **H200),
+        # absorbed MLA (DeepSeek-V3: one 576-wide latent head, page 64)
+        _row("h200 mla H128 decode 32x4096", batch=32, q_len=1, max_pages=64, **MLA, num_q_heads=128, **H200),
+        _row("h200 mla H128 decode 1x32768", batch=1, q_len=1, max_pages=512, **MLA, num_q_heads=128, **H200),
+        _row("h200 mla H16 decode 32x4096", batch=32, q_len=1, max_pages=64, **MLA, num_q_heads=16, **H200),
+        _row("h200 mla H16 verify 32x4096", batch=32, q_len=4, max_pages=64, **MLA, num_q_heads=16, **H200),
+        _row("l40 mla H128 decode 32x4096", batch=32, q_len=1, max_pages=64, **MLA, num_q_heads=128,
+             device_type="cuda", sm_count=142, capability=(8, 9)),
+        _row("h200 mla H128 extend 2x512", batch=2, q_len=512, max_pages=16, **MLA, num_q_heads=128, **H200),
     ]
     return "\n".join(rows)
 
@@ -118,7 +135,17 @@ h200 verify 8x8192 S=4       verify  triton splits=16  m=16  n=64  warps=4 stage
 h200 verify 64x2048 S=16     verify  triton splits=2   m=64  n=64  warps=8 stages=2 scratch=33816576
 h200 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 h200 packed T=16384          extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
-h200 extend D=256            extend  triton splits=1   m=64  n=32  warps=4 stages=2 scratch=0""")
+h200 extend D=256            extend  triton splits=1   m=64  n=32  warps=4 stages=2 scratch=0
+h200 swa127 decode 32x4096   decode  triton splits=1   m=16  n=64  warps=4 stages=2 scratch=0
+h200 full decode 32x4096     decode  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=2129920
+h200 swa127 verify 32x4096   verify  triton splits=1   m=32  n=64  warps=4 stages=2 scratch=0
+h200 swa1023 decode 8x16384  decode  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=532480
+h200 mla H128 decode 32x4096 decode  triton splits=4   m=64  n=32  warps=8 stages=2 scratch=33619968
+h200 mla H128 decode 1x32768 decode  triton splits=64  m=64  n=32  warps=8 stages=2 scratch=16809984
+h200 mla H16 decode 32x4096  decode  triton splits=16  m=16  n=32  warps=4 stages=2 scratch=16809984
+h200 mla H16 verify 32x4096  verify  triton splits=8   m=64  n=32  warps=8 stages=2 scratch=33619968
+l40 mla H128 decode 32x4096  decode  triton splits=4   m=16  n=32  warps=4 stages=2 scratch=33619968
+h200 mla H128 extend 2x512   extend  triton splits=1   m=32  n=16  warps=8 stages=2 scratch=0""")
 
     def test_table_other_gpus(self):
         from unittest import mock

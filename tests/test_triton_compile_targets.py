@@ -12,11 +12,12 @@ feature sets: causal, non-causal, sliding window, softcap) on a GPU of each capa
 take the Triton family (so no float8 for sm80). That grid reaches about 70 distinct (tile, head dim, cache
 dtype) kernels per target, each a 1-5 s compile (about 6 min for all five targets on two cores), so each
 target compiles a representative set instead: the fewest Problems (greedy cover) that together reach every
-tile configuration the plans emit (kernel, block_m, block_n, num_warps, num_stages: 12 decode/verify tiles
-and 3 extend tiles; 8 and 3 on sm80, whose plans have no float8 and so no 128-key tiles), both split-KV with
-its merge kernel and no split, every head-dim pair, every (q, cache) dtype pair the target allows, every
-layout / page size, packed q and every feature set: 15 Problems per target (11 on sm80), 71 plans (plus
-their merge kernels) in all, spread over the CPU cores (about 70 s on two, from a cold Triton cache).
+tile configuration the plans emit (kernel, block_m, block_n, num_warps, num_stages, and whether the tile is
+MLA's 576 wide: 13 decode/verify tiles and 3 extend tiles on sm90 / sm100; 12 and 3 on sm89 / sm120, where
+MLA takes no 64-row tile; 8 and 3 on sm80, whose plans have no float8 and so no 128-key tiles), both split-KV
+with its merge kernel and no split, every head-dim pair, every (q, cache) dtype pair the target allows,
+every layout / page size, packed q and every feature set: 16 Problems per target on sm90 / sm100, 15 on
+sm89 / sm120, 11 on sm80, 74 plans (plus their merge kernels) in all, spread over the CPU cores (about 70 s on two, from a cold Triton cache).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def _grid(capability, sm_count):
 
 def _facets(problem, plan, opt):
     kernel = "extend" if plan.mode == "extend" else "split"
-    return {("tile", kernel, plan.block_m, plan.block_n, plan.num_warps, plan.num_stages),
+    latent = max(problem.head_dim, problem.v_head_dim) > 256  # MLA's 576-wide tiles need their own compile
+    return {("tile", kernel, plan.block_m, plan.block_n, plan.num_warps, plan.num_stages, latent),
             ("splits", kernel, plan.num_splits > 1), ("d", problem.head_dim, problem.v_head_dim),
             ("dtype", problem.q_dtype, problem.kv_dtype), ("layout", problem.kv_layout, problem.page_size),
             ("packed", problem.packed), ("options", opt)}
@@ -132,7 +134,7 @@ def test_representative_sets_cover_every_plan_facet():
     for cc in TARGETS:
         chosen, every = representative(cc)
         tiles = {f for f in every if f[0] == "tile"}
-        assert len(tiles) == (15 if cc >= 89 else 11) and len(chosen) <= 18, (cc, len(tiles), len(chosen))
+        assert len(tiles) == {80: 11, 89: 15, 90: 16, 100: 16, 120: 15}[cc] and len(chosen) <= 18, (cc, len(tiles), len(chosen))
         has_fp8 = any(f[0] == "dtype" and f[2] == F8 for f in every)
         assert has_fp8 == (cc >= 89), cc
 

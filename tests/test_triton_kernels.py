@@ -261,6 +261,9 @@ GPU_CASES = [
     ("decode_d256_p7", dict(batch=2, hq=16, hkv=2, d=256, page_size=7, lens=[400, 3]), {}),
     ("decode_features", dict(batch=3, hq=16, hkv=4, d=128, page_size=16, lens=[600, 37, 0], kv_start=True,
                              sinks=True), dict(window_left=100, softcap=20.0, scale=0.05)),
+    # a window splits over the keys a query sees (window_left + 1), not over the capacity: 2 splits here
+    ("decode_window_split", dict(batch=3, hq=16, hkv=4, d=128, page_size=16, lens=[3000, 37, 1500], kv_start=True,
+                                 sinks=True, nan_unused=True), dict(window_left=700)),
     ("decode_noncausal_empty", dict(batch=2, hq=8, hkv=8, d=64, page_size=16, lens=[0, 129]), dict(causal=False)),
     ("decode_fp8_scalar", dict(batch=2, hq=32, hkv=8, d=128, page_size=16, lens=[900, 65], kv_dtype=F8,
                                descale="scalar"), {}),
@@ -299,6 +302,8 @@ GPU_CASES = [
                                    nan_unused=True), {}),
     ("decode_mla576_p64", dict(batch=3, hq=16, hkv=1, d=576, dv=512, v_view=True, page_size=64,
                                lens=[700, 1, 2053], nan_unused=True), dict(scale=0.07)),
+    ("decode_mla576_h128_p64_split", dict(batch=2, hq=128, hkv=1, d=576, dv=512, v_view=True, page_size=64,
+                                          lens=[1900, 64], nan_unused=True), {}),  # the 64-row tile, 2 splits
     ("decode_mla576_fp8_p1_h128", dict(batch=2, hq=128, hkv=1, d=576, dv=512, v_view=True, page_size=1,
                                        lens=[300, 77], kv_dtype=F8, descale="scalar", nan_unused=True), {}),
     ("verify_mla576_s4", dict(batch=2, q_len=4, hq=16, hkv=1, d=576, dv=512, v_view=True, page_size=16,
@@ -346,6 +351,7 @@ def test_gpu_matches_reference(name, kw, options):
     t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000)
     plan = _plan_of(t, options)
     assert plan.family in ("triton", "cute"), f"{name}: expected a kernel family, got {plan}"
+    assert "_split" not in name or plan.num_splits > 1, f"{name}: meant to split the keys, got {plan}"
     out = torch.full(t["q"].shape[:-1] + t["v_cache"].shape[-1:], float("nan"), dtype=t["q"].dtype, device="cuda")
     _, lse = _call(t, options, out=out)
     torch.cuda.synchronize()

@@ -2,20 +2,18 @@
 this family; the tiles were measured on the H200, benchmarks/results/h200.md, "Kernels").
 
 Decode/verify are bound by the KV bytes: split-KV programs (B x Hkv x M-tiles x splits) should number about
-8 per SM, the split count a power of two (uneven splits and part waves cost), each split at least 256 keys
-of capacity. float8 caches take 128-key tiles (half the bytes per key). Extend: 128 x 128 tiles for D <= 128,
+8 per SM, the split count a power of two (uneven splits and part waves cost), each split at least 256 of the
+keys a query can see (the capacity, or a sliding window's keys: Problem.kv_span). float8 caches take 128-key tiles (half the bytes per key). Extend: 128 x 128 tiles for D <= 128,
 64 x 32 above.
 
 The tiles follow the wider of the two head dims, max(D, Dv) (D for plain GQA). Above 256 (MLA's absorbed
-D = 576 / Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take 16 query rows by
-16 keys with 4 warps and extend 32 x 16 with 8 warps. Not yet measured on a GPU. The spills that made these
-the choice were measured on compiles without the JIT's alignment specialization; compiled as the GPU
-compiles them (kernels/triton/_compile_only.py, Triton 3.6, sm90), larger tiles do not spill either:
-- decode 16 x 32 with 4 warps (SGLang's Triton MLA decode tile);
-- decode 32 x 16 with 8 warps (half the KV re-reads at 128 heads);
-- extend 32 x 32 with 8 warps.
-Which is fastest awaits `python -m b12x_inductor.bench mla --variants ...` on the H200
-(benchmarks/results/h200.md, "Registers and shared memory as the GPU compiles them").
+D = 576 / Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take 32-key tiles, and
+64 query rows with 8 warps where a KV head has at least 64 of them (H >= 64 decode, H = 16 verify S >= 4),
+else 16 rows with 4 warps; a 64-row program (a 64 x 512 fp32 accumulator and 213 KB of shared memory) is
+one per SM, so its splits aim at 2 programs per SM, and only sm90 / sm100 (227 KB a block) take it: sm80,
+sm89 and sm120 keep 16 rows (89 KB). These were the fastest of 9 tiles on every MLA row of
+`python -m b12x_inductor.bench mla --variants ...` (h200.md, "MLA"), 1.2-2.6x the 16 x 16 tile they
+replaced. Extend takes 32 x 16 with 8 warps (not yet measured).
 """
 
 from __future__ import annotations
@@ -23,11 +21,14 @@ from __future__ import annotations
 from b12x_inductor.plan import FP8, Plan, Problem, next_pow2, split_count, split_scratch_bytes, with_tiles
 
 SPLIT_RULE = dict(programs_per_sm=8, min_split_keys=256, max_splits=64)
+MLA_WIDE_ROWS = 64  # MLA decode/verify: query rows of the wide tile (one program per SM)
+MLA_WIDE_PROGRAMS_PER_SM = 2
+MLA_WIDE_MAJORS = (9, 10)  # its 213 KB of shared memory (bf16, sm90) fit the 227 KB a block has on sm90/sm100
 
 
-def num_splits(problem: Problem, programs: int) -> int:
+def num_splits(problem: Problem, programs: int, programs_per_sm: int = SPLIT_RULE["programs_per_sm"]) -> int:
     """Split-KV partitions for `programs` programs per split (the CuTe family uses the same rule)."""
-    return split_count(problem, programs, **SPLIT_RULE)
+    return split_count(problem, programs, **{**SPLIT_RULE, "programs_per_sm": programs_per_sm})
 
 
 def plan(problem: Problem, **tiles) -> Plan:
@@ -42,11 +43,14 @@ def _plan(problem: Problem) -> Plan:
         if mode == "extend":
             return Plan(mode=mode, family="triton", num_splits=1, block_m=32, block_n=16, num_warps=8,
                         num_stages=2, scratch_bytes=0)
-        block_m = 16
-        m_tiles = -(-problem.q_len * problem.group // block_m)
-        splits = num_splits(problem, problem.batch * problem.num_kv_heads * m_tiles)
-        return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=16, num_warps=4,
-                    num_stages=2, scratch_bytes=split_scratch_bytes(problem, splits))
+        rows = problem.q_len * problem.group
+        wide = rows >= MLA_WIDE_ROWS and problem.capability[0] in MLA_WIDE_MAJORS
+        block_m = MLA_WIDE_ROWS if wide else 16
+        m_tiles = -(-rows // block_m)
+        splits = num_splits(problem, problem.batch * problem.num_kv_heads * m_tiles,
+                            MLA_WIDE_PROGRAMS_PER_SM if wide else SPLIT_RULE["programs_per_sm"])
+        return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=32,
+                    num_warps=8 if wide else 4, num_stages=2, scratch_bytes=split_scratch_bytes(problem, splits))
     if mode == "extend":
         if d <= 128:
             return Plan(mode=mode, family="triton", num_splits=1, block_m=128, block_n=128, num_warps=8,
