@@ -73,8 +73,12 @@ def absorbed_class() -> type:
     `absorb_mla` gives each attention module (one class for all layers: Dynamo guards on a module's forward by
     its class, so regional compile shares one graph between layers; a per-module bound forward would be a
     guard per layer, a recompile each)."""
+    modeling = _modeling()  # resolved here, outside any compiled region: Dynamo cannot trace transformers'
+    #                         lazy-module import (transformers 5.17: "Bad import result ... _LazyModule")
     return type("AbsorbedDeepseekV3Attention", (_attention_class(),),
                 {"forward": absorbed_forward, "__module__": __name__,
+                 "rotary": staticmethod(modeling.apply_rotary_pos_emb),
+                 "rotary_interleave": staticmethod(getattr(modeling, "apply_rotary_pos_emb_interleave", None)),
                  "__doc__": "DeepseekV3Attention absorbed over the engine's paged latent cache (serve.mla)."})
 
 
@@ -269,11 +273,10 @@ def absorbed_forward(module, hidden_states: torch.Tensor,
     kv_nope = module.kv_a_layernorm(kv_nope)  # [B, S, rank]: the latent c
     k_rot = k_rot.view(b, 1, s, rope)
     cos, sin = position_embeddings
-    modeling = _modeling()
-    if module.config.rope_interleave:
-        q_rot, k_rot = modeling.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
-    else:
-        q_rot, k_rot = modeling.apply_rotary_pos_emb(q_rot, k_rot, cos, sin)
+    # transformers' rotary functions, held by absorbed_class() (an un-absorbed module, in eager tests, imports them)
+    name = "rotary_interleave" if module.config.rope_interleave else "rotary"
+    rotary = getattr(type(module), name, None) or getattr(absorbed_class(), name)
+    q_rot, k_rot = rotary(q_rot, k_rot, cos, sin)
     # -- the latent cache: the step's new tokens, then attention over one KV head --
     latent = info["kv"]
     b12x.mla_write_kv(kv_nope.reshape(b * s, rank), k_rot.reshape(b * s, rope), latent, info["slots"])
