@@ -7,10 +7,13 @@ tensor per layer; what the transform does not handle is refused, naming it."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from helpers import one_thread
 from test_serve_models import _CONFIG, _eager_reference, _record_steps, _requests
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
 from b12x_inductor.serve import Engine, Request, ServeConfig
 from b12x_inductor.serve import mla
@@ -53,6 +56,11 @@ def _info(latent, slots, table, seqlens, cu=None):
                 seqlens=as_t(seqlens, torch.int32), cu_seqlens_q=None if cu is None else as_t(cu, torch.int32))
 
 
+# the module forward's cache keyword: `cache` from transformers 5.24, `past_key_values` before (an unknown keyword
+# would be swallowed by its **kwargs, and the steps would attend without the cache)
+CACHE_KWARG = "cache" if "cache" in inspect.signature(DeepseekV3Attention.forward).parameters else "past_key_values"
+
+
 @pytest.mark.parametrize("rank, q_lora_rank, interleave, yarn", _VARIANTS)
 def test_absorbed_attention_equals_module(rank, q_lora_rank, interleave, yarn):
     """Layer 1's absorbed forward over a paged latent cache (two requests on scattered pages: a packed prefill
@@ -76,7 +84,7 @@ def test_absorbed_attention_equals_module(rank, q_lora_rank, interleave, yarn):
                 end = start + n
                 mask = torch.full((n, end), torch.finfo(torch.float32).min).triu(start + 1)[None, None]
                 out, _ = module(x[r][:, start:end], position_embeddings=rotary(x[r], torch.arange(start, end)[None]),
-                                attention_mask=mask, cache=cache)
+                                attention_mask=mask, **{CACHE_KWARG: cache})
                 outs.append(out[0])
                 start = end
             expected.append(torch.cat(outs))
