@@ -66,6 +66,13 @@ def test_model_rows():
     assert not any(r.shape.sinks for r in nosinks) and nosinks[0].shape.window_left == 127
     with pytest.raises(ValueError, match="unknown --rows"):
         kernels.build_rows(["decode", "model"])
+    assert kernels.MODELS == ("gpt-oss", "gemma", "qwen2")
+    only = kernels.build_rows(["decode", "models", "nosinks"], models=["gpt-oss"])  # default rows stay
+    assert [r.label for r in only] == (DEFAULT_LABELS[:6] + MODEL_LABELS[:6]
+                                       + [f"{x} (no sinks)" for x in MODEL_LABELS[:6]])
+    assert [r.label for r in kernels.build_rows(["models"], models=["qwen2", "gemma"])] == MODEL_LABELS[6:]
+    with pytest.raises(ValueError, match="unknown --models"):
+        kernels.build_rows(["models"], models=["llama"])
 
 
 def test_dry_run_main(cpu_bench, tmp_path):

@@ -32,6 +32,7 @@ plus q read and out written), extend rows TFLOP/s over the causal triangle (with
 sees). Prints a progress line per row, then writes JSON (each row with its model tag and shape) and a PNG chart.
 
 Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8,models (default; also nosinks),
+--models gpt-oss,gemma,qwen2 (the model rows of these models only; default all),
 --peers sdpa,flex,flashinfer (default all importable), --families triton,cute (each family's own plan side by
 side), --variants (tuning: other plan constants), --head-dim (D of the default rows, default 128), --page-size
 (keys per page of every row, default 16), --extend-rows (other default extend rows, 'BxL[:S],...': S new tokens
@@ -128,14 +129,21 @@ class Row:
         return " ".join(x for x in (self.model, label, self.note) if x)
 
 
-def build_rows(groups, default_shape=DEFAULT_SHAPE, extend_rows=None, sizes=None, page=None):
+MODELS = tuple(dict.fromkeys(tag.split()[0] for tag, *_ in MODEL_ROWS))  # gpt-oss, gemma, qwen2: --models
+
+
+def build_rows(groups, default_shape=DEFAULT_SHAPE, extend_rows=None, sizes=None, page=None, models=None):
     """The rows of the --rows groups, in table order. extend_rows: the default extend rows [(B, L, S)];
     page: the page size of every row (default: each shape's); sizes (B, L): every row that size (a dry run),
-    rows that become identical kept once."""
+    rows that become identical kept once; models: the model rows (models, nosinks) of these models only
+    (names in MODELS; default all)."""
     groups = [g for g in groups if g]
     unknown = sorted(set(groups) - set(ROW_GROUPS))
     if unknown:
         raise ValueError(f"unknown --rows {unknown}; known: {','.join(ROW_GROUPS)}")
+    unknown = sorted(set(models or ()) - set(MODELS))
+    if unknown:
+        raise ValueError(f"unknown --models {unknown}; known: {','.join(MODELS)}")
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     if extend_rows is None:
         extend_rows = [(b, n, n) for b, n in EXTEND_ROWS]
@@ -154,6 +162,8 @@ def build_rows(groups, default_shape=DEFAULT_SHAPE, extend_rows=None, sizes=None
     if "nosinks" in groups:
         rows += [Row(mode, b, n, q or n, bf16, dataclasses.replace(shape, sinks=False), model, "(no sinks)")
                  for model, shape, mode, q, sizes_ in MODEL_ROWS if shape.sinks for b, n in sizes_]
+    if models:
+        rows = [r for r in rows if not r.model or r.model.split()[0] in models]
     if page is not None:
         rows = [dataclasses.replace(r, shape=dataclasses.replace(r.shape, page=page)) for r in rows]
     if sizes:
@@ -706,6 +716,8 @@ def main(argv) -> None:
     ap.add_argument("--tag", default="h200")
     ap.add_argument("--flex-rows", default="", help="only these rows get FlexAttention (its compile is slow), "
                     "e.g. 'decode 8x8192,extend 1x16384'; default all")
+    ap.add_argument("--models", default="", help=f"model rows of these models only, among {','.join(MODELS)} "
+                    "(default all; FlashInfer's JIT builds follow the rows)")
     ap.add_argument("--warm-peers", action="store_true", help="JIT-build FlashInfer's modules first, then exit")
     ap.add_argument("--head-dim", type=int, default=DEFAULT_SHAPE.d, help="D of the default rows (default 128; "
                     "model rows keep their model's)")
@@ -728,7 +740,8 @@ def main(argv) -> None:
             extend_rows.append((b, n, int(new) if new else n))
     sizes = tuple(int(x) for x in args.sizes.split("x")) if args.sizes else None
     try:
-        todo = build_rows(args.rows.split(","), default_shape, extend_rows, sizes, page=args.page_size)
+        todo = build_rows(args.rows.split(","), default_shape, extend_rows, sizes, page=args.page_size,
+                          models=[m for m in args.models.split(",") if m])
     except ValueError as e:
         sys.exit(f"b12x_inductor.bench kernels: {e}")
     if DEVICE == "cuda" and not torch.cuda.is_available():
