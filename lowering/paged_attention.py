@@ -33,7 +33,8 @@ def _sizes(node) -> list[int]:
     return [_inductor.static_int(s) for s in node.get_size()]
 
 
-def _problem(q, k_cache, v_cache, page_table, kv_layout: str, key_mask: bool = False, window_left: int = -1) -> Problem:
+def _problem(q, k_cache, v_cache, page_table, kv_layout: str, key_mask: bool = False,
+             window_left: int = -1) -> Problem:
     q_size, kv_size, pt_size = _sizes(q), _sizes(k_cache), _sizes(page_table)
     v_head_dim = _sizes(v_cache)[-1]
     page_size, hkv = cache_dims(kv_size, kv_layout)

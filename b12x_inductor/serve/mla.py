@@ -78,7 +78,7 @@ def absorbed_class() -> type:
     return type("AbsorbedDeepseekV3Attention", (_attention_class(),),
                 {"forward": absorbed_forward, "__module__": __name__,
                  "rotary": staticmethod(modeling.apply_rotary_pos_emb),
-                 "rotary_interleave": staticmethod(getattr(modeling, "apply_rotary_pos_emb_interleave", None)),
+                 "rotary_interleave": staticmethod(modeling.apply_rotary_pos_emb_interleave),
                  "__doc__": "DeepseekV3Attention absorbed over the engine's paged latent cache (serve.mla)."})
 
 
@@ -275,7 +275,7 @@ def absorbed_forward(module, hidden_states: torch.Tensor,
     cos, sin = position_embeddings
     # transformers' rotary functions, held by absorbed_class() (an un-absorbed module, in eager tests, imports them)
     name = "rotary_interleave" if module.config.rope_interleave else "rotary"
-    rotary = getattr(type(module), name, None) or getattr(absorbed_class(), name)
+    rotary = getattr(type(module), name, None) or getattr(absorbed_class(), name)  # one of the two functions
     q_rot, k_rot = rotary(q_rot, k_rot, cos, sin)
     # -- the latent cache: the step's new tokens, then attention over one KV head --
     latent = info["kv"]

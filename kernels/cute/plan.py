@@ -3,8 +3,9 @@
 Decode/verify: one CTA per (request, KV head, split) with all S x G query rows and a ring of `num_stages`
 tiles of `block_n` keys; the split count is the Triton family's rule. block_m 1 selects the CUDA-core kernel
 (decode.py), 16 (MMA_M) the tensor-core one (decode_mma.py), which takes float8 decode once a split spans
-at least MMA_MIN_SPLIT_KEYS of the keys a query can see (Problem.kv_span). Extend: 128 query rows (two consumer warpgroups) and a
-producer warpgroup, 128-key tiles, as many stages as shared memory holds (extend_geometry). The choices
+at least MMA_MIN_SPLIT_KEYS of the keys a query can see (Problem.kv_span). Extend: 128 query rows (two
+consumer warpgroups) and a producer warpgroup, 128-key tiles, as many stages as shared memory holds
+(extend_geometry). The choices
 and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL kernels".
 """
 

@@ -3,8 +3,8 @@ this family; the tiles were measured on the H200, benchmarks/results/h200.md, "K
 
 Decode/verify are bound by the KV bytes: split-KV programs (B x Hkv x M-tiles x splits) should number about
 8 per SM, the split count a power of two (uneven splits and part waves cost), each split at least 256 of the
-keys a query can see (the capacity, or a sliding window's keys: Problem.kv_span). float8 caches take 128-key tiles (half the bytes per key). Extend: 128 x 128 tiles for D <= 128,
-64 x 32 above.
+keys a query can see (the capacity, or a sliding window's keys: Problem.kv_span). float8 caches take 128-key
+tiles (half the bytes per key). Extend: 128 x 128 tiles for D <= 128, 64 x 32 above.
 
 The tiles follow the wider of the two head dims, max(D, Dv) (D for plain GQA). Above 256 (MLA's absorbed
 D = 576 / Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take 32-key tiles, and
