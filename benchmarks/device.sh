@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the project, run the GPU tests and the benchmarks, keep the logs.
 #   bash benchmarks/device.sh [tests] [kernel-tests] [other-tests] [sanitize] [kernels] [mla] [hf] [gptfast] [serve]
+#                             [fi-save]
 #   (default: tests kernels hf gptfast serve)
-# Logs go to $OUT (the device tool's output folder) or benchmarks/results/raw when unset.
+# Logs go to $OUT (the device tool's output folder) or benchmarks/results/raw when unset. The device tool
+# brings back at most 8 files from $OUT: past that, everything but the fi-aot parts is packed into
+# $OUT/results.tgz.
 # Carry `.whl` (expecttest) and `.device/peers` (FlashInfer) with the call: ../shared/device/README.md.
+# FlashInfer's JIT builds (2-6 min on a fresh machine): `fi-save` packs the modules this machine built into
+# $OUT/fi-aot.tgz.part-* (15 MiB pieces); copy them into .device/fi-aot/ here and carry that folder next time:
+# they are unpacked where FlashInfer looks for prebuilt (AOT) modules, flashinfer/data/aot/<name>/<name>.so,
+# which it loads without building.
 set -uo pipefail
 out=${OUT:-benchmarks/results/raw}
 mkdir -p "$out"
@@ -12,6 +19,10 @@ if ls .whl/*.whl >/dev/null 2>&1 || ls .device/peers/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .device/peers/*.whl 2>/dev/null \
     || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+if ls .device/fi-aot/fi-aot.tgz.part-* >/dev/null 2>&1 && [ -d /tmp/site/flashinfer ]; then
+  mkdir -p /tmp/site/flashinfer/data/aot && cat .device/fi-aot/fi-aot.tgz.part-* | tar xzf - -C /tmp/site/flashinfer/data/aot \
+    && echo "FlashInfer prebuilt modules: $(ls /tmp/site/flashinfer/data/aot | wc -l)"
 fi
 # CuTe DSL (../shared/device/README.md): a call that carries .device/cute2 after one that copied .device/cute1
 if [ -d .device/cute2 ] && [ -f /tmp/cute/libs.part.aa ] && [ ! -d /tmp/site/nvidia_cutlass_dsl ]; then
@@ -44,6 +55,14 @@ for part in $parts; do
     kernels) python3 -m b12x_inductor.bench --out "$out" 2>&1 | tee "$out/bench-kernels.log" ;;
     mla) python3 -m b12x_inductor.bench mla --out "$out" 2>&1 | tee "$out/bench-mla.log" ;;
     gptfast) python3 -m b12x_inductor.bench gptfast --out "$out/gptfast.json" 2>&1 | tee "$out/bench-gptfast.log" ;;
+    # the FlashInfer modules built here (cached_ops/<name>/<name>.so), in pieces the device tool brings back
+    fi-save) (cd ~/.cache/flashinfer && find . -path "*/cached_ops/*/*.so" | sed "s|.*/cached_ops/||" > /tmp/fi-so.txt \
+        && tar czf - -C "$(dirname "$(find . -type d -name cached_ops | head -1)")/cached_ops" -T /tmp/fi-so.txt) \
+        | split -b 15m - "$out/fi-aot.tgz.part-" && ls -la "$out"/fi-aot.tgz.part-* && cat /tmp/fi-so.txt ;;
     *) python3 -m b12x_inductor.bench "$part" --quick --out "$out/$part.json" 2>&1 | tee "$out/bench-$part.log" ;;
   esac
 done
+if [ -n "${OUT:-}" ] && [ "$(find "$out" -type f | wc -l)" -gt 8 ]; then
+  (cd "$out" && find . -type f ! -name "fi-aot.tgz.part-*" ! -name results.tgz | sed "s|^\./||" > /tmp/pack.txt \
+    && tar czf results.tgz -T /tmp/pack.txt && xargs rm -f < /tmp/pack.txt && echo "packed $(wc -l < /tmp/pack.txt) files into results.tgz")
+fi
