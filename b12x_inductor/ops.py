@@ -38,7 +38,7 @@ _ENTRY = (
     "Tensor? cu_seqlens_q, Tensor? kv_start, Tensor? sinks, Tensor? k_descale, Tensor? v_descale, "
     "Tensor? key_mask, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) scratch, *, str kv_layout, bool causal, float scale, "
     "int window_left, float softcap, str family, int num_splits, int block_m, int block_n, int num_warps, "
-    "int num_stages"
+    "int num_stages, bool v_from_k"
 )
 _lib.define(f"paged_attention({_ARGS}) -> (Tensor, Tensor)")
 _lib.define(f"paged_attention_out({_ARGS}, Tensor(a!) out) -> Tensor")

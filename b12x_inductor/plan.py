@@ -66,6 +66,8 @@ class Problem:
     key_mask: bool = False  # a key_mask tensor is passed (the kernel reads it: families that do not, refuse)
     v_head_dim: int | None = None  # Dv: v's and out's head dim; None (the default) means head_dim
     window_left: int = -1  # the sliding window (a query at position i sees keys i - window_left .. i); -1: none
+    v_in_k: bool = False  # v_cache is k_cache's first Dv columns: the same storage, offset and strides, only the
+    #                       last dim narrower (mla_attention's view of the latent cache); False when not known
 
     def __post_init__(self):
         if self.v_head_dim is None:
@@ -108,6 +110,7 @@ class Plan:
     num_warps: int
     num_stages: int
     scratch_bytes: int  # fp32 partial outputs and LSEs of the splits, allocated by the caller
+    v_from_k: bool = False  # V's tile is K's (no second load): only where Problem.v_in_k (the launch checks)
 
     @classmethod
     def of_entry(cls, mode: str, scratch_bytes: int, **constants) -> Plan:
@@ -127,6 +130,7 @@ class Plan:
             block_n=self.block_n,
             num_warps=self.num_warps,
             num_stages=self.num_stages,
+            v_from_k=self.v_from_k,
         )
 
 
@@ -182,7 +186,7 @@ def select_plan(problem: Problem) -> Plan:
 
 def family_plan(problem: Problem, family: str, **tiles) -> Plan:
     """The plan of one kernel family for a problem, with `tiles` (num_splits, block_m, block_n, num_warps,
-    num_stages) replacing its choices and the scratch sized for them. `select_plan` alone decides which
+    num_stages, v_from_k) replacing its choices and the scratch sized for them. `select_plan` alone decides which
     family runs; this is what tests and benchmarks call to run a family, or tiles, it would not pick. A
     family whose `supports` refuses the problem raises: its kernels would not honor it."""
     from b12x_inductor.kernels import family as family_of

@@ -285,8 +285,17 @@ def check_paged_attention(
         num_q_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(d), v_head_dim=int(dv), page_size=int(page_size),
         max_pages=int(max_pages), q_dtype=q.dtype, kv_dtype=k_cache.dtype, kv_layout=kv_layout,
         device_type=device.type, sm_count=sm_count, capability=capability, key_mask=key_mask is not None,
-        window_left=int(window_left),
+        window_left=int(window_left), v_in_k=v_is_prefix_of_k(k_cache, v_cache),
     )
+
+
+def v_is_prefix_of_k(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether v_cache is k_cache's first Dv columns (Problem.v_in_k): the same storage, storage offset,
+    strides and dtype, the sizes but the last. Read from tensor metadata only (no device access)."""
+    return (v_cache.dtype == k_cache.dtype and v_cache.dim() == k_cache.dim()
+            and v_cache.untyped_storage().data_ptr() == k_cache.untyped_storage().data_ptr()
+            and v_cache.storage_offset() == k_cache.storage_offset() and v_cache.stride() == k_cache.stride()
+            and v_cache.shape[:-1] == k_cache.shape[:-1] and v_cache.shape[-1] <= k_cache.shape[-1])
 
 
 def check_write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_layout, k_scale, v_scale) -> None:

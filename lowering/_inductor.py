@@ -5,6 +5,8 @@
 - `empty(size, dtype, device)`: an Inductor-allocated buffer (from the CUDA-graph pool under cudagraphs).
 - `call_fallback(op, *args, **kwargs)`: emit one call of an op into the generated code.
 - `static_int(expr)`: a static size; a symbolic one is guarded (specialized) to its current value.
+- `is_prefix_view(a, b)`: whether IR tensor b is a's storage at a's offset and strides, only the last dim
+  narrower (the lowering's Problem.v_in_k); False whenever the IR does not say so for certain.
 - `install_graph_pass(p)`: add a CustomGraphPass to post_grad_custom_pre_pass (a list from 2.13, one
   pass before), so its uuid() enters Inductor's FX graph cache key.
 - `fake_mode_of(values)`: the FakeTensorMode behind a graph's metadata (to give new nodes their "val").
@@ -48,6 +50,21 @@ def call_fallback(op: torch._ops.OpOverload, *args, **kwargs):
 
 def static_int(expr) -> int:
     return int(V.graph.sizevars.guard_int(expr))
+
+
+def is_prefix_view(a, b) -> bool:
+    from torch._inductor import ir
+
+    try:
+        la, lb = a.get_layout(), b.get_layout()
+        if not (isinstance(la, ir.FixedLayout) and isinstance(lb, ir.FixedLayout)):
+            return False  # a layout Inductor may still choose
+        same = (a.get_name() == b.get_name() and a.get_dtype() == b.get_dtype() and la.offset == lb.offset
+                and len(la.stride) == len(lb.stride) and all(x == y for x, y in zip(la.stride, lb.stride))
+                and len(la.size) == len(lb.size) and all(x == y for x, y in zip(la.size[:-1], lb.size[:-1])))
+        return bool(same) and static_int(lb.size[-1]) <= static_int(la.size[-1])
+    except (AttributeError, NotImplementedError, TypeError):
+        return False
 
 
 class _Chain(CustomGraphPass):

@@ -8,7 +8,7 @@ plan's constants as literal arguments:
     buf1 = ...                                         # lse
     buf2 = empty_strided_cuda((1081344,), ..., torch.uint8)   # split-KV scratch
     torch.ops.b12x.paged_attention_decode.default(q, k, v, ..., buf0, buf1, buf2, kv_layout='NHD', ...,
-        family='triton', num_splits=8, block_m=16, block_n=64, num_warps=4, num_stages=2)
+        family='triton', num_splits=8, block_m=16, block_n=64, num_warps=4, num_stages=2, v_from_k=False)
 
 Under CUDA graphs those buffers come from the graph's pool, so a replay allocates nothing. Sizes are
 static: a symbolic size (torch.compile(dynamic=True), or automatic dynamic after a second shape) is guarded
@@ -45,7 +45,7 @@ def _problem(q, k_cache, v_cache, page_table, kv_layout: str, key_mask: bool = F
         num_q_heads=q_size[-2], num_kv_heads=hkv, head_dim=q_size[-1], v_head_dim=v_head_dim, page_size=page_size,
         max_pages=pt_size[1], q_dtype=q.get_dtype(), kv_dtype=k_cache.get_dtype(), kv_layout=kv_layout,
         device_type=device.type, sm_count=sm_count, capability=capability, key_mask=key_mask,
-        window_left=window_left)
+        window_left=window_left, v_in_k=_inductor.is_prefix_view(k_cache, v_cache))
 
 
 def _lower(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *, kv_layout="NHD", causal=True,

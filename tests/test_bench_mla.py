@@ -197,3 +197,12 @@ def test_flashinfer_flat_form_has_no_fp8(tmp_path, monkeypatch):
     assert "no fp8 path" in fp8["impls"]["flashinfer-fa2"]["unsupported"] and "us" in fp8["impls"]["b12x"]
     lines = doc["markdown"].splitlines()
     assert lines[3].endswith(" | n/a | n/a | – |") and any("no fp8 path" in x for x in lines[4:])
+
+
+def test_variants_parse_v_from_k(tmp_path):
+    """--variants takes a last field "vk" (plan.v_from_k) beside the tile numbers; each variant is its own cell
+    (on the CPU the Triton family cannot run, so the cell records that error, untimed)."""
+    doc = _run(tmp_path, "--peers", "", "--rows", "decode", "--variants", "0:32:0:4,0:0:0:0:0:vk")
+    cells = doc["rows"][0]["impls"]
+    assert {"b12x", "b12x-triton-v0:32:0:4", "b12x-triton-v0:0:0:0:0:vk"} <= set(cells)
+    assert "us" not in cells["b12x-triton-v0:0:0:0:0:vk"] and "error" in cells["b12x-triton-v0:0:0:0:0:vk"]

@@ -231,6 +231,84 @@ def test_plans_for_dv():
     assert select_plan(Problem(**{**base, "device_type": "cpu", "sm_count": 0})).family == "torch"
 
 
+def _v_in_k(k_cache, v_cache, q):
+    from b12x_inductor import validate
+
+    pt = torch.zeros(1, 2, dtype=torch.int32)
+    return validate.check_paged_attention(
+        q, k_cache, v_cache, pt, torch.tensor([3], dtype=torch.int32), None, kv_layout="NHD", causal=True,
+        scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=None,
+        v_descale=None).v_in_k
+
+
+def test_problem_knows_when_v_is_k_prefix():
+    """Problem.v_in_k: v_cache is k_cache's first Dv columns (the latent cache's view), eagerly from the tensors'
+    metadata and in the lowering from Inductor's IR; anything else (a copy, another offset, another tensor) is
+    False, so the kernels load V themselves."""
+    from b12x_inductor.lowering import paged_attention as lowering
+
+    kv = torch.randn(4, 16, 1, 576)
+    q = torch.randn(1, 1, 8, 576)
+    assert _v_in_k(kv, kv[..., :512], q)
+    assert not _v_in_k(kv, kv[..., :512].clone(), q)
+    assert not _v_in_k(kv, kv[..., 64:], q)
+    assert not _v_in_k(kv, torch.randn(4, 16, 1, 512), q)
+    assert not _v_in_k(kv[1:], kv[:-1, ..., :512], q)  # same storage, another offset
+    qs = torch.randn(1, 1, 8, 128)
+    both = torch.randn(4, 16, 1, 256)
+    assert _v_in_k(both[..., :128], both[..., :128], qs) and not _v_in_k(both[..., :128], both[..., 128:], qs)
+
+    seen = []
+    plan_for = lowering.plan_for
+    record = lambda problem: (seen.append(problem.v_in_k), plan_for(problem))[1]
+    pt = torch.arange(4, dtype=torch.int32).reshape(2, 2)
+    lens = torch.tensor([20, 9], dtype=torch.int32)
+    q2 = torch.randn(2, 1, 8, 576)
+    for v_of, expected in ((lambda kv: kv[..., :512], True), (lambda kv: kv[..., 64:], False),
+                           (lambda kv: kv[..., :512] * 1, False)):
+        torch._dynamo.reset()
+        seen.clear()
+        f = lambda q, kv, pt, lens: torch.ops.b12x.paged_attention(q, kv, v_of(kv), pt, lens, scale=0.1)[0]
+        from unittest import mock
+
+        with mock.patch.object(lowering, "plan_for", record), torch._inductor.config.patch(fx_graph_cache=False):
+            torch.compile(f, fullgraph=True)(q2, kv, pt, lens)  # no cache hit: the lowering must run
+        assert seen == [expected], (seen, expected)
+
+
+def test_v_from_k_is_refused_where_it_does_not_fit():
+    """v_from_k (V's tile from K's) is asked for, never guessed: the Triton plan refuses it where v is not k's
+    first Dv columns, or Dv is not K's first column block; a launch refuses a v_cache that is not that view;
+    the CuTe family refuses it; select_plan does not take it until it is measured (V_FROM_K)."""
+    from b12x_inductor import kernels
+    from b12x_inductor.kernels import triton as tk
+    import importlib
+
+    tplan = importlib.import_module("b12x_inductor.kernels.triton.plan")
+    from b12x_inductor.plan import Problem, family_plan, select_plan
+    from tests.helpers import direct_call
+
+    base = dict(batch=8, q_len=1, packed=False, num_q_heads=16, num_kv_heads=1, head_dim=576, v_head_dim=512,
+                page_size=64, max_pages=64, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, kv_layout="NHD",
+                device_type="cuda", sm_count=132, capability=(9, 0))
+    latent = Problem(**base, v_in_k=True)
+    assert family_plan(latent, "triton", v_from_k=True).v_from_k
+    assert not tplan.V_FROM_K and not select_plan(latent).v_from_k  # not the plan until measured
+    with pytest.raises(ValueError, match="v_from_k needs v_cache to be k_cache's first Dv columns"):
+        family_plan(Problem(**base), "triton", v_from_k=True)
+    with pytest.raises(ValueError, match="v_from_k needs"):  # 192 / 128: K's first block is 256 wide
+        family_plan(Problem(**{**base, "head_dim": 192, "v_head_dim": 128}, v_in_k=True), "triton", v_from_k=True)
+    with pytest.raises(ValueError, match="cute family loads V itself"):
+        kernels.family("cute").plan(Problem(**{**base, "head_dim": 128, "v_head_dim": 128}, v_in_k=True),
+                                    v_from_k=True)
+    t = make_inputs(d=576, dv=512, hq=4, hkv=1)  # v from the other half: not k's columns
+    options = dict(kv_layout="NHD", causal=True, scale=0.05, window_left=-1, softcap=0.0)
+    call = direct_call(t, "decode", options, dict(num_splits=1, block_m=16, block_n=16, num_warps=4, num_stages=2,
+                                                  v_from_k=True))
+    with pytest.raises(ValueError, match="v_cache is not k_cache's first Dv columns"):
+        tk.run(call)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # mla_attention
 

@@ -77,7 +77,7 @@ def _grid(capability, sm_count):
 def _facets(problem, plan, opt):
     kernel = "extend" if plan.mode == "extend" else "split"
     latent = max(problem.head_dim, problem.v_head_dim) > 256  # MLA's 576-wide tiles need their own compile
-    return {("tile", kernel, plan.block_m, plan.block_n, plan.num_warps, plan.num_stages, latent),
+    return {("tile", kernel, plan.block_m, plan.block_n, plan.num_warps, plan.num_stages, latent, plan.v_from_k),
             ("splits", kernel, plan.num_splits > 1), ("d", problem.head_dim, problem.v_head_dim),
             ("dtype", problem.q_dtype, problem.kv_dtype), ("layout", problem.kv_layout, problem.page_size),
             ("packed", problem.packed), ("options", opt)}

@@ -111,7 +111,7 @@ def check_close(out, lse, ref_out, ref_lse, *, what=""):
 # ----------------------------------------------------------------------------------------------------------
 # CPU: the kernels under the Triton interpreter
 
-# (name, mode, plan (num_splits, block_m, block_n), make_inputs kwargs, options)
+# (name, mode, plan (num_splits, block_m, block_n[, v_from_k]), make_inputs kwargs, options)
 INTERPRETER_CASES = [
     ("decode_nhd_split3", "decode", (3, 16, 16), dict(), dict()),
     ("decode_nosplit_page1", "decode", (1, 16, 16), dict(page_size=1), dict()),
@@ -161,6 +161,20 @@ INTERPRETER_CASES = [
     ("extend_mla576_packed_fp8", "extend", (1, 16, 16), dict(packed=True, lens=[20, 31], q_lens=[17, 9], d=576,
                                                              dv=512, hq=2, hkv=1, v_view=True, kv_dtype=F8,
                                                              descale="bh", nan_unused=True), dict()),
+    # v_from_k: V's tile taken from K's (v = k's first 512 columns), per mode and feature
+    ("decode_mla576_v_from_k", "decode", (2, 16, 16, True), dict(d=576, dv=512, hq=8, hkv=1, v_view=True,
+                                                                 page_size=1, nan_unused=True, lens=[0, 23]),
+     dict()),
+    ("decode_mla576_v_from_k_key_mask", "decode", (3, 16, 16, True),
+     dict(d=576, dv=512, hq=4, hkv=1, v_view=True, key_mask="request", nan_unused=True, sinks=True), dict()),
+    ("verify_mla576_v_from_k_fp8", "verify", (2, 16, 16, True),
+     dict(q_len=3, d=576, dv=512, hq=4, hkv=1, v_view=True, kv_dtype=F8, descale="b", nan_unused=True), dict()),
+    ("extend_mla576_v_from_k_window", "extend", (1, 32, 16, True),
+     dict(q_len=18, lens=[18, 37], d=576, dv=512, hq=2, hkv=1, v_view=True, page_size=16, nan_unused=True,
+          kv_start=True), dict(window_left=9)),
+    ("extend_mla576_v_from_k_packed_hnd", "extend", (1, 16, 16, True),
+     dict(packed=True, lens=[20, 31], q_lens=[17, 9], d=576, dv=512, hq=2, hkv=1, v_view=True, kv_layout="HND",
+          page_size=4, nan_unused=True), dict(causal=False)),
 ]
 
 
@@ -171,7 +185,7 @@ def _interpreter_worker() -> None:
     from b12x_inductor.kernels.reference import paged_attention_reference
     from tests.helpers import direct_call
 
-    for name, mode, (splits, block_m, block_n), kw, opts in INTERPRETER_CASES:
+    for name, mode, (splits, block_m, block_n, *v_from_k), kw, opts in INTERPRETER_CASES:
         try:
             t = make_inputs(**kw)
             q = t["q"]
@@ -179,7 +193,7 @@ def _interpreter_worker() -> None:
                            window_left=-1, softcap=0.0)
             options.update(opts)
             call = direct_call(t, mode, options, dict(num_splits=splits, block_m=block_m, block_n=block_n,
-                                                      num_warps=4, num_stages=2))
+                                                      num_warps=4, num_stages=2, v_from_k=bool(v_from_k)))
             tk.run(call)
             out, lse = call.out, call.lse
             ref_out, ref_lse = paged_attention_reference(**t, **options)
@@ -362,6 +376,25 @@ def test_gpu_matches_reference(name, kw, options):
         out, lse, plan, _ = run_family(t, options, "triton")
         torch.cuda.synchronize()
         check_close(out, lse, *_reference(t, options), what=f"{name} {plan}")
+
+
+V_FROM_K_CASES = [c for c in GPU_CASES if "mla576" in c[0]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,kw,options", [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in V_FROM_K_CASES],
+                         ids=[c[0] for c in V_FROM_K_CASES])
+def test_gpu_v_from_k_matches_reference(name, kw, options):
+    """The MLA cases with V's tile taken from K's (plan.v_from_k, not yet the plan: kernels/triton/plan.py)."""
+    from tests.helpers import run_family
+
+    kw = dict(kw)
+    options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
+    t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000)
+    out, lse, plan, _ = run_family(t, options, "triton", overrides=dict(v_from_k=True))
+    torch.cuda.synchronize()
+    assert plan.v_from_k
+    check_close(out, lse, *_reference(t, options), what=f"{name} {plan}")
 
 
 @pytest.mark.gpu

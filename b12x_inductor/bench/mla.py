@@ -28,7 +28,8 @@ percentage of the copy bandwidth. Prints a progress line per row, then a markdow
 Options: --heads (comma list, default 128,16), --rows decode,verify,fp8 (default all), --page-size (keys per
 page, default 64; L must be a multiple), --peers flashinfer (default; '' for b12x alone), --out DIR (default
 benchmarks/results), --tag (default h200), --sizes BxL (dry run: every row at that size, duplicates dropped,
-e.g. 2x128), --variants (tuning: '[family:]splits:block_n:stages:warps[:block_m],...', family default
+e.g. 2x128), --variants (tuning: '[family:]splits:block_n:stages:warps[:block_m][:vk],...' (vk: V's tile
+taken from K's, plan.v_from_k), family default
 triton, 0 keeps the plan's value: that family's plan through plan.family_plan, as bench/kernels.py's
 b12x_call, on the pre-concatenated q, so without the cat), --warm-peers (JIT-build FlashInfer's MLA modules
 on tiny inputs, then exit). B12X_BENCH_DEVICE=cpu runs the harness on the CPU (wall-clock timing, two input
@@ -161,8 +162,9 @@ def b12x_call(s):
 
 def b12x_variant_call(s, family, variant):
     """One family's plan (plan.family_plan) with (num_splits, block_n, num_stages, num_warps, block_m)
-    replaced where the variant gives a nonzero value, as kernels.b12x_call runs its variants, on the views
-    mla_attention builds (q = cat(q_nope, q_pe), made once here: the timed call is the kernel alone)."""
+    replaced where the variant gives a nonzero value, and a last field "vk" for v_from_k (V's tile taken from
+    K's), as kernels.b12x_call runs its variants, on the views mla_attention builds (q = cat(q_nope, q_pe),
+    made once here: the timed call is the kernel alone)."""
     from b12x_inductor import kernels as kfam, validate
     from b12x_inductor.plan import family_plan
 
@@ -173,8 +175,13 @@ def b12x_variant_call(s, family, variant):
         q, k_cache, v_cache, s["page_table"], s["cache_seqlens"], None, kv_layout="NHD", causal=True,
         scale=SCALE, window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=s["k_descale"],
         v_descale=s["k_descale"], out=None)
-    fields = dict(zip(("num_splits", "block_n", "num_stages", "num_warps", "block_m"), variant))
-    plan = family_plan(problem, family, **{k: v for k, v in fields.items() if v})
+    v_from_k = bool(variant) and variant[-1] == "vk"
+    fields = dict(zip(("num_splits", "block_n", "num_stages", "num_warps", "block_m"),
+                      variant[:-1] if v_from_k else variant))
+    tiles = {k: v for k, v in fields.items() if v}
+    if v_from_k:
+        tiles["v_from_k"] = True
+    plan = family_plan(problem, family, **tiles)
     out = _poisoned_out(s)
     the_call = kfam.Call(
         q=q, k_cache=k_cache, v_cache=v_cache, page_table=s["page_table"], cache_seqlens=s["cache_seqlens"],
@@ -438,7 +445,7 @@ def main(argv) -> None:
     variants = []
     for x in (x for x in args.variants.split(",") if x):
         fam, rest = x.split(":", 1) if not x.split(":")[0].isdigit() else ("triton", x)
-        variants.append((fam, tuple(int(y) for y in rest.split(":"))))
+        variants.append((fam, tuple(y if y == "vk" else int(y) for y in rest.split(":"))))
     versions = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if _device() == "cuda"
                     else _device(), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     import triton

@@ -20,7 +20,10 @@ MMA_MIN_SPLIT_KEYS = 1024
 
 
 def plan(problem: Problem, **tiles) -> Plan:
-    """The family's plan; `tiles` replace its tile choices (plan.family_plan)."""
+    """The family's plan; `tiles` replace its tile choices (plan.family_plan). Its kernels always load V
+    themselves: v_from_k=True raises."""
+    if tiles.get("v_from_k"):
+        raise ValueError("paged_attention: the cute family loads V itself; v_from_k is the Triton family's")
     return with_tiles(problem, _plan(problem), tiles, always_split=True)
 
 

@@ -172,7 +172,8 @@ def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
     block_d, block_dpe = d_blocks(x.d)
     flags = dict(CAUSAL=options.causal, USE_WINDOW=window >= 0, USE_SOFTCAP=softcap > 0,
                  DOT=_dot_dtype(x.q_dtype, x.kv_dtype), D=x.d, BLOCK_D=block_d, PAGE=x.page_size,
-                 HAS_KEY_MASK=x.has_key_mask, BLOCK_DPE=block_dpe, DV=x.dv, BLOCK_DV=next_pow2(x.dv))
+                 HAS_KEY_MASK=x.has_key_mask, BLOCK_DPE=block_dpe, DV=x.dv, BLOCK_DV=next_pow2(x.dv),
+                 V_FROM_K=plan.v_from_k)
     tune = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.mode == "extend":
         tiles = -(-x.q_len // plan.block_m) + x.batch if x.packed else x.batch * -(-x.q_len // plan.block_m)
@@ -255,7 +256,17 @@ def _launch_of(call) -> Launch:
 
 
 def run(call) -> None:
-    """Runs one plan's kernels: writes call.out, call.lse and call.scratch only."""
+    """Runs one plan's kernels: writes call.out, call.lse and call.scratch only. A plan with v_from_k runs only
+    on a v_cache that is k_cache's first Dv columns (else ValueError: its kernels would read V from K)."""
+    if call.plan.v_from_k:
+        from b12x_inductor.validate import v_is_prefix_of_k
+
+        fits = d_blocks(call.q.shape[-1])[0] == call.v_cache.shape[-1] <= call.q.shape[-1]
+        if not (fits and v_is_prefix_of_k(call.k_cache, call.v_cache)):
+            raise ValueError("paged_attention: the plan takes V's tile from K's (v_from_k=True), but v_cache is not "
+                             "k_cache's first Dv columns with Dv the width of K's first column block: got k_cache "
+                             f"{tuple(call.k_cache.shape)} strides {call.k_cache.stride()}, v_cache "
+                             f"{tuple(call.v_cache.shape)} strides {call.v_cache.stride()}")
     with torch.cuda.device(call.q.device) if call.q.is_cuda else _no_device():
         _launch(_launch_of(call), call.plan, call.options)
 

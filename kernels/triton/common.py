@@ -68,13 +68,15 @@ def tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, n
          km_rows, km_j,
          BLOCK_N: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
          MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-         DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, BLOCK_DPE: tl.constexpr):
+         DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, BLOCK_DPE: tl.constexpr, V_FROM_K: tl.constexpr):
     """One BLOCK_N-key tile of the online softmax (decode, verify and extend): gathers the tile's K (columns
     offs_d, and offs_pe with BLOCK_DPE > 0) and V (columns offs_dv) through the page table, applies scale,
     softcap and (MASKED) the kv_start / causal / window masks and the tile end `hi`, and returns the updated
     (acc, m, l). Unmasked tiles (extend's middle) skip every mask but the key mask (HAS_KEY_MASK: key j of row
     r visible only where km_rows[r][j * km_j] != 0; offs_n < hi keeps the reads inside the mask's rows, whose
-    length is the page table's capacity). EVEN_D / EVEN_DV: the column blocks hold no column past D / DV."""
+    length is the page table's capacity). EVEN_D / EVEN_DV: the column blocks hold no column past D / DV.
+    V_FROM_K: V's tile is K's first column block, not loaded again (the launch has checked that v is k's first
+    DV columns and that DV is that block's width, every column inside D)."""
     offs_n = j0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     if MASKED:
@@ -96,7 +98,12 @@ def tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, n
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     else:
         k = tl.load(k_ptrs)
-    if HAS_KEY_MASK:
+    if V_FROM_K:
+        if HAS_KEY_MASK:  # rows no query sees may hold anything: zero them, as the masked load would
+            v = tl.where(v_ok, k, 0.0)
+        else:
+            v = k
+    elif HAS_KEY_MASK:
         v = tl.load(v_ptrs, mask=v_ok, other=0.0)
     elif MASKED or not EVEN_DV:
         v = tl.load(v_ptrs, mask=v_mask, other=0.0)

@@ -40,7 +40,7 @@ def split_kernel(
     PAGE: tl.constexpr, M_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, BLOCK_DPE: tl.constexpr, DV: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, V_FROM_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -92,7 +92,7 @@ def split_kernel(
                               stride_kp, stride_ko, stride_vp, stride_vo, offs_d, d_ok, offs_pe, pe_ok, offs_dv, dv_ok,
                               k_scale, softcap, window_left, km_rows, km_j,
                               BLOCK_N, PAGE, False, False, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT, HAS_KEY_MASK,
-                              BLOCK_DPE)
+                              BLOCK_DPE, V_FROM_K)
 
     seen = l_i > 0.0
     safe_l = tl.where(seen, l_i, 1.0)

@@ -14,9 +14,16 @@ one per SM, so its splits aim at 2 programs per SM, and only sm90 / sm100 (227 K
 sm89 and sm120 keep 16 rows (89 KB). These were the fastest of 9 tiles on every MLA row of
 `python -m b12x_inductor.bench mla --variants ...` (h200.md, "MLA"), 1.2-2.6x the 16 x 16 tile they
 replaced. Extend takes 32 x 16 with 8 warps (not yet measured).
+
+v_from_k (V's tile taken from K's, one load instead of two; where v_cache is k_cache's first Dv columns and
+K's first column block is exactly Dv wide: MLA's 576 / 512 view) is built and tested against the reference,
+and not the plan (V_FROM_K = False) until `python -m b12x_inductor.bench mla --variants ...:vk` measures it on
+the H200: the bench and tests ask for it through `plan.family_plan(..., v_from_k=True)`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from b12x_inductor.plan import FP8, Plan, Problem, next_pow2, split_count, split_scratch_bytes, with_tiles
 
@@ -31,9 +38,28 @@ def num_splits(problem: Problem, programs: int, programs_per_sm: int = SPLIT_RUL
     return split_count(problem, programs, **{**SPLIT_RULE, "programs_per_sm": programs_per_sm})
 
 
+V_FROM_K = False  # select_plan takes v_from_k where it fits: off until measured
+
+
+def v_from_k_fits(problem: Problem) -> bool:
+    """Whether the kernels can take V's tile from K's: v_cache is k_cache's first Dv columns (Problem.v_in_k)
+    and K's first column block (d_blocks) is those Dv columns exactly, every one of them inside D."""
+    from . import d_blocks
+
+    block_d = d_blocks(problem.head_dim)[0]
+    return problem.v_in_k and problem.v_head_dim == block_d <= problem.head_dim
+
+
 def plan(problem: Problem, **tiles) -> Plan:
-    """The family's plan; `tiles` replace its tile choices (plan.family_plan)."""
-    return with_tiles(problem, _plan(problem), tiles)
+    """The family's plan; `tiles` replace its tile choices (plan.family_plan). v_from_k=True where the
+    problem does not fit it (v_from_k_fits) raises: V would be read from the wrong columns."""
+    if tiles.get("v_from_k") and not v_from_k_fits(problem):
+        raise ValueError(f"paged_attention: v_from_k needs v_cache to be k_cache's first Dv columns, Dv the "
+                         f"width of K's first column block (MLA's 576 / 512 view); got {problem}")
+    chosen = _plan(problem)
+    if V_FROM_K and v_from_k_fits(problem):
+        chosen = dataclasses.replace(chosen, v_from_k=True)
+    return with_tiles(problem, chosen, tiles)
 
 
 def _plan(problem: Problem) -> Plan:
