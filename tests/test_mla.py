@@ -275,6 +275,18 @@ def test_problem_knows_when_v_is_k_prefix():
             torch.compile(f, fullgraph=True)(q2, kv, pt, lens)  # no cache hit: the lowering must run
         assert seen == [expected], (seen, expected)
 
+    # the serving engine's step: the latent cache written in place, then attended (mla_attention's own view)
+    def step(q_nope, q_pe, latent, pt, lens, ckv, kpe, slots):
+        b12x.mla_write_kv(ckv, kpe, latent, slots)
+        return b12x.mla_attention(q_nope, q_pe, latent, pt, lens, scale=0.1)
+
+    torch._dynamo.reset()
+    seen.clear()
+    with mock.patch.object(lowering, "plan_for", record), torch._inductor.config.patch(fx_graph_cache=False):
+        torch.compile(step, fullgraph=True)(q2[..., :512], q2[..., 512:], kv[:, :, 0], pt, lens,
+                                            torch.randn(2, 512), torch.randn(2, 64), torch.tensor([19, 40]))
+    assert seen == [True], seen
+
 
 def test_v_from_k_is_refused_where_it_does_not_fit():
     """v_from_k (V's tile from K's) is asked for, never guessed: the Triton plan refuses it where v is not k's
