@@ -65,6 +65,12 @@ def d_blocks(d: int) -> tuple[int, int]:
     return main, (next_pow2(d - main) if d > main else 0)
 
 
+def v_is_first_block(d: int, dv: int) -> bool:
+    """Whether K's first column block (d_blocks(d)) is exactly Dv columns wide, every one inside D: where V's
+    tile can be K's (plan.v_from_k), given that v_cache is k_cache's first Dv columns."""
+    return d_blocks(d)[0] == dv <= d
+
+
 def _dot_dtype(q_dtype, kv_dtype):
     """The operand dtype of both products: q's dtype; fp16 for float8 caches (e4m3 -> fp16 is one native
     conversion on sm89+, e4m3 -> bf16 is not; q and the probabilities fit fp16's range and gain precision);
@@ -261,8 +267,8 @@ def run(call) -> None:
     if call.plan.v_from_k:
         from b12x_inductor.validate import v_is_prefix_of_k
 
-        fits = d_blocks(call.q.shape[-1])[0] == call.v_cache.shape[-1] <= call.q.shape[-1]
-        if not (fits and v_is_prefix_of_k(call.k_cache, call.v_cache)):
+        if not (v_is_first_block(call.q.shape[-1], call.v_cache.shape[-1])
+                and v_is_prefix_of_k(call.k_cache, call.v_cache)):
             raise ValueError("paged_attention: the plan takes V's tile from K's (v_from_k=True), but v_cache is not "
                              "k_cache's first Dv columns with Dv the width of K's first column block: got k_cache "
                              f"{tuple(call.k_cache.shape)} strides {call.k_cache.stride()}, v_cache "

@@ -43,11 +43,10 @@ V_FROM_K = False  # select_plan takes v_from_k where it fits: off until measured
 
 def v_from_k_fits(problem: Problem) -> bool:
     """Whether the kernels can take V's tile from K's: v_cache is k_cache's first Dv columns (Problem.v_in_k)
-    and K's first column block (d_blocks) is those Dv columns exactly, every one of them inside D."""
-    from . import d_blocks
+    and K's first column block is those Dv columns exactly (v_is_first_block)."""
+    from . import v_is_first_block
 
-    block_d = d_blocks(problem.head_dim)[0]
-    return problem.v_in_k and problem.v_head_dim == block_d <= problem.head_dim
+    return problem.v_in_k and v_is_first_block(problem.head_dim, problem.v_head_dim)
 
 
 def plan(problem: Problem, **tiles) -> Plan:
