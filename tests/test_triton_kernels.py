@@ -356,13 +356,17 @@ def _plan_of(t, options):
     return select_plan(problem)
 
 
+def _gpu_case(name, kw, options):
+    """(inputs on the GPU, options with the case's layout) of one GPU_CASES case; the seed follows the name."""
+    options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
+    return make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000), options
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,kw,options", [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in GPU_CASES],
                          ids=[c[0] for c in GPU_CASES])
 def test_gpu_matches_reference(name, kw, options):
-    kw = dict(kw)
-    options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
-    t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000)
+    t, options = _gpu_case(name, kw, options)
     plan = _plan_of(t, options)
     assert plan.family in ("triton", "cute"), f"{name}: expected a kernel family, got {plan}"
     assert "_split" not in name or plan.num_splits > 1, f"{name}: meant to split the keys, got {plan}"
@@ -388,9 +392,7 @@ def test_gpu_v_from_k_matches_reference(name, kw, options):
     """The MLA cases with V's tile taken from K's (plan.v_from_k, not yet the plan: kernels/triton/plan.py)."""
     from tests.helpers import run_family
 
-    kw = dict(kw)
-    options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
-    t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000)
+    t, options = _gpu_case(name, kw, options)
     out, lse, plan, _ = run_family(t, options, "triton", overrides=dict(v_from_k=True))
     torch.cuda.synchronize()
     assert plan.v_from_k
