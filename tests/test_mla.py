@@ -291,7 +291,7 @@ def test_problem_knows_when_v_is_k_prefix():
 def test_v_from_k_is_refused_where_it_does_not_fit():
     """v_from_k (V's tile from K's) is asked for, never guessed: the Triton plan refuses it where v is not k's
     first Dv columns, or Dv is not K's first column block; a launch refuses a v_cache that is not that view;
-    the CuTe family refuses it; select_plan does not take it until it is measured (V_FROM_K)."""
+    the CuTe family refuses it. select_plan takes it for MLA decode/verify exactly where it fits (v_in_k)."""
     from b12x_inductor import kernels
     from b12x_inductor.kernels import triton as tk
     import importlib
@@ -305,7 +305,9 @@ def test_v_from_k_is_refused_where_it_does_not_fit():
                 device_type="cuda", sm_count=132, capability=(9, 0))
     latent = Problem(**base, v_in_k=True)
     assert family_plan(latent, "triton", v_from_k=True).v_from_k
-    assert not tplan.V_FROM_K and not select_plan(latent).v_from_k  # not the plan until measured
+    assert tplan.v_from_k_fits(latent) and select_plan(latent).v_from_k
+    assert not select_plan(Problem(**base)).v_from_k  # a separate v_cache: V loaded on its own
+    assert not select_plan(Problem(**{**base, "q_len": 100}, v_in_k=True)).v_from_k  # extend: not measured yet
     with pytest.raises(ValueError, match="v_from_k needs v_cache to be k_cache's first Dv columns"):
         family_plan(Problem(**base), "triton", v_from_k=True)
     with pytest.raises(ValueError, match="v_from_k needs"):  # 192 / 128: K's first block is 256 wide

@@ -13,14 +13,15 @@ BASE = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, q_dtype=
 
 
 GPT_OSS = dict(num_q_heads=64, num_kv_heads=8, head_dim=64)
-MLA = dict(num_kv_heads=1, head_dim=576, v_head_dim=512, page_size=64)
+MLA = dict(num_kv_heads=1, head_dim=576, v_head_dim=512, page_size=64, v_in_k=True)  # v the latent's first 512
 
 
 def _row(name, **kw):
     p = Problem(**{**BASE, **kw})
     plan = select_plan(p)
     fields = f"{plan.mode:7} {plan.family:6} splits={plan.num_splits:<3} m={plan.block_m:<3} n={plan.block_n:<3} " \
-             f"warps={plan.num_warps} stages={plan.num_stages} scratch={plan.scratch_bytes}"
+             f"warps={plan.num_warps} stages={plan.num_stages} scratch={plan.scratch_bytes}" \
+             + (" v_from_k" if plan.v_from_k else "")
     return f"{name:28} {fields}".rstrip()
 
 
@@ -50,6 +51,8 @@ def table() -> str:
         _row("h200 swa1023 decode 8x16384", batch=8, q_len=1, max_pages=1024, window_left=1023, **GPT_OSS, **H200),
         # absorbed MLA (DeepSeek-V3: one 576-wide latent head, page 64)
         _row("h200 mla H128 decode 32x4096", batch=32, q_len=1, max_pages=64, **MLA, num_q_heads=128, **H200),
+        _row("h200 mla H128 own v 32x4096", batch=32, q_len=1, max_pages=64, **{**MLA, "v_in_k": False},
+             num_q_heads=128, **H200),
         _row("h200 mla H128 decode 1x32768", batch=1, q_len=1, max_pages=512, **MLA, num_q_heads=128, **H200),
         _row("h200 mla H16 decode 32x4096", batch=32, q_len=1, max_pages=64, **MLA, num_q_heads=16, **H200),
         _row("h200 mla H16 verify 32x4096", batch=32, q_len=4, max_pages=64, **MLA, num_q_heads=16, **H200),
@@ -124,27 +127,28 @@ cpu verify 8x4               verify  torch  splits=1   m=0   n=0   warps=0 stage
 cpu extend 2x64              extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
 cpu packed T=256             extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
 h200 decode 1x32768          decode  triton splits=64  m=16  n=64  warps=4 stages=2 scratch=1056768
-h200 decode 8x8192           decode  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=2113536
-h200 decode 32x4096          decode  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=2113536
-h200 decode 64x2048          decode  triton splits=2   m=16  n=64  warps=4 stages=2 scratch=2113536
+h200 decode 8x8192           decode  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=1056768
+h200 decode 32x4096          decode  triton splits=2   m=16  n=64  warps=4 stages=2 scratch=1056768
+h200 decode 64x2048          decode  triton splits=1   m=16  n=64  warps=4 stages=2 scratch=0
 h200 decode 128x1024         decode  triton splits=1   m=16  n=64  warps=4 stages=2 scratch=0
-h200 decode 16x16384         decode  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=2113536
-h200 decode fp8 32x4096      decode  triton splits=4   m=16  n=128 warps=4 stages=2 scratch=2113536
-h200 decode D=256 g=1        decode  triton splits=16  m=16  n=32  warps=4 stages=2 scratch=1052672
-h200 verify 8x8192 S=4       verify  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=8454144
-h200 verify 64x2048 S=16     verify  triton splits=2   m=64  n=64  warps=8 stages=2 scratch=33816576
+h200 decode 16x16384         decode  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=1056768
+h200 decode fp8 32x4096      decode  triton splits=2   m=16  n=128 warps=4 stages=2 scratch=1056768
+h200 decode D=256 g=1        decode  triton splits=8   m=16  n=64  warps=4 stages=3 scratch=526336
+h200 verify 8x8192 S=4       verify  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=4227072
+h200 verify 64x2048 S=16     verify  triton splits=1   m=64  n=64  warps=8 stages=2 scratch=0
 h200 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 h200 packed T=16384          extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
-h200 extend D=256            extend  triton splits=1   m=64  n=32  warps=4 stages=2 scratch=0
+h200 extend D=256            extend  triton splits=1   m=128 n=64  warps=8 stages=2 scratch=0
 h200 swa127 decode 32x4096   decode  triton splits=1   m=16  n=64  warps=4 stages=2 scratch=0
-h200 full decode 32x4096     decode  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=2129920
+h200 full decode 32x4096     decode  triton splits=2   m=16  n=64  warps=4 stages=2 scratch=1064960
 h200 swa127 verify 32x4096   verify  triton splits=1   m=32  n=64  warps=4 stages=2 scratch=0
 h200 swa1023 decode 8x16384  decode  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=532480
-h200 mla H128 decode 32x4096 decode  triton splits=4   m=64  n=32  warps=8 stages=2 scratch=33619968
-h200 mla H128 decode 1x32768 decode  triton splits=64  m=64  n=32  warps=8 stages=2 scratch=16809984
-h200 mla H16 decode 32x4096  decode  triton splits=16  m=16  n=32  warps=4 stages=2 scratch=16809984
-h200 mla H16 verify 32x4096  verify  triton splits=8   m=64  n=32  warps=8 stages=2 scratch=33619968
-l40 mla H128 decode 32x4096  decode  triton splits=4   m=16  n=32  warps=4 stages=2 scratch=33619968
+h200 mla H128 decode 32x4096 decode  triton splits=2   m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k
+h200 mla H128 own v 32x4096  decode  triton splits=2   m=64  n=32  warps=8 stages=2 scratch=16809984
+h200 mla H128 decode 1x32768 decode  triton splits=64  m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k
+h200 mla H16 decode 32x4096  decode  triton splits=8   m=16  n=32  warps=4 stages=2 scratch=8404992 v_from_k
+h200 mla H16 verify 32x4096  verify  triton splits=4   m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k
+l40 mla H128 decode 32x4096  decode  triton splits=1   m=16  n=32  warps=4 stages=2 scratch=0 v_from_k
 h200 mla H128 extend 2x512   extend  triton splits=1   m=32  n=16  warps=8 stages=2 scratch=0""")
 
     def test_table_other_gpus(self):
@@ -154,29 +158,29 @@ h200 mla H128 extend 2x512   extend  triton splits=1   m=32  n=16  warps=8 stage
 
         with mock.patch.object(cute, "available", lambda: True):  # installed or not: CuTe is sm90 only
             self.assertExpectedInline(table_other_gpus(), """\
-a100 decode 8x8192           decode  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=1056768
+a100 decode 8x8192           decode  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=528384
 a100 decode fp8 32x4096      decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-a100 verify 8x8192 S=4       verify  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=4227072
+a100 verify 8x8192 S=4       verify  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=2113536
 a100 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 a100 extend fp8 1x16384      extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-l40 decode 8x8192            decode  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=2113536
-l40 decode fp8 32x4096       decode  triton splits=4   m=16  n=128 warps=4 stages=2 scratch=2113536
-l40 verify 8x8192 S=4        verify  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=8454144
+l40 decode 8x8192            decode  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=1056768
+l40 decode fp8 32x4096       decode  triton splits=2   m=16  n=128 warps=4 stages=2 scratch=1056768
+l40 verify 8x8192 S=4        verify  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=4227072
 l40 extend 4x4096            extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 l40 extend fp8 1x16384       extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
-b200 decode 8x8192           decode  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=2113536
-b200 decode fp8 32x4096      decode  triton splits=4   m=16  n=128 warps=4 stages=2 scratch=2113536
-b200 verify 8x8192 S=4       verify  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=8454144
+b200 decode 8x8192           decode  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=1056768
+b200 decode fp8 32x4096      decode  triton splits=2   m=16  n=128 warps=4 stages=2 scratch=1056768
+b200 verify 8x8192 S=4       verify  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=4227072
 b200 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 b200 extend fp8 1x16384      extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
-rtx5090 decode 8x8192        decode  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=2113536
-rtx5090 decode fp8 32x4096   decode  triton splits=4   m=16  n=128 warps=4 stages=2 scratch=2113536
-rtx5090 verify 8x8192 S=4    verify  triton splits=16  m=16  n=64  warps=4 stages=2 scratch=8454144
+rtx5090 decode 8x8192        decode  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=1056768
+rtx5090 decode fp8 32x4096   decode  triton splits=2   m=16  n=128 warps=4 stages=2 scratch=1056768
+rtx5090 verify 8x8192 S=4    verify  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=4227072
 rtx5090 extend 4x4096        extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 rtx5090 extend fp8 1x16384   extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
-spark decode 8x8192          decode  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=528384
+spark decode 8x8192          decode  triton splits=2   m=16  n=64  warps=4 stages=2 scratch=264192
 spark decode fp8 32x4096     decode  triton splits=1   m=16  n=128 warps=4 stages=2 scratch=0
-spark verify 8x8192 S=4      verify  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=2113536
+spark verify 8x8192 S=4      verify  triton splits=2   m=16  n=64  warps=4 stages=2 scratch=1056768
 spark extend 4x4096          extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 spark extend fp8 1x16384     extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0""")
 
@@ -194,15 +198,15 @@ fp8 decode 64x2048           decode  cute   splits=2   m=16  n=128 warps=4 stage
 fp8 decode 128x1024          decode  cute   splits=1   m=16  n=128 warps=4 stages=2 scratch=2113536
 fp8 decode 16x16384          decode  cute   splits=8   m=16  n=128 warps=4 stages=2 scratch=2113536
 fp8 decode D=64 HND p=1      decode  triton splits=2   m=16  n=128 warps=4 stages=2 scratch=133120
-fp8 decode D=96              decode  triton splits=16  m=16  n=128 warps=4 stages=2 scratch=1589248
-fp8 decode G=8               decode  triton splits=16  m=16  n=128 warps=4 stages=2 scratch=4227072
+fp8 decode D=96              decode  triton splits=8   m=16  n=128 warps=4 stages=2 scratch=794624
+fp8 decode G=8               decode  triton splits=8   m=16  n=128 warps=4 stages=2 scratch=2113536
 fp8 decode sm80              decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-fp8 verify 8x8192 S=4        verify  triton splits=16  m=16  n=128 warps=4 stages=2 scratch=8454144
-bf16 decode 32x4096          decode  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=2113536
+fp8 verify 8x8192 S=4        verify  triton splits=8   m=16  n=128 warps=4 stages=2 scratch=4227072
+bf16 decode 32x4096          decode  triton splits=2   m=16  n=64  warps=4 stages=2 scratch=1056768
 bf16 extend 1x16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
 bf16 packed T=16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
 bf16 extend D=64 8192:1024   extend  cute   splits=1   m=128 n=128 warps=12 stages=4 scratch=0
-bf16 extend D=256            extend  triton splits=1   m=64  n=32  warps=4 stages=2 scratch=0
+bf16 extend D=256            extend  triton splits=1   m=128 n=64  warps=8 stages=2 scratch=0
 fp8 extend 1x16384           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0""")
 
     def test_modes_from_static_shapes(self):

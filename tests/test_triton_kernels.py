@@ -278,6 +278,9 @@ GPU_CASES = [
     # a window splits over the keys a query sees (window_left + 1), not over the capacity: 2 splits here
     ("decode_window_split", dict(batch=3, hq=16, hkv=4, d=128, page_size=16, lens=[3000, 37, 1500], kv_start=True,
                                  sinks=True, nan_unused=True), dict(window_left=700)),
+    # one request, 4 KV heads (Qwen2-7B), capacity 32768: 128 splits of 256 keys, the rule's cap
+    ("decode_gqa7_1x32768_split", dict(batch=1, hq=28, hkv=4, d=128, page_size=64, lens=[32700], sinks=True,
+                                       nan_unused=True), {}),
     ("decode_noncausal_empty", dict(batch=2, hq=8, hkv=8, d=64, page_size=16, lens=[0, 129]), dict(causal=False)),
     ("decode_fp8_scalar", dict(batch=2, hq=32, hkv=8, d=128, page_size=16, lens=[900, 65], kv_dtype=F8,
                                descale="scalar"), {}),

@@ -1,7 +1,7 @@
 """The CuTe DSL family's plans and where select_plan prefers it over Triton (pure functions of the Problem).
 
 Decode/verify: one CTA per (request, KV head, split) with all S x G query rows and a ring of `num_stages`
-tiles of `block_n` keys; the split count is the Triton family's rule. block_m 1 selects the CUDA-core kernel
+tiles of `block_n` keys; the split count is the Triton family's rule with the constants it was measured with (CUTE_SPLITS). block_m 1 selects the CUDA-core kernel
 (decode.py), 16 (MMA_M) the tensor-core one (decode_mma.py), which takes float8 decode once a split spans
 at least MMA_MIN_SPLIT_KEYS of the keys a query can see (Problem.kv_span). Extend: 128 query rows (two
 consumer warpgroups) and a producer warpgroup, 128-key tiles, as many stages as shared memory holds
@@ -17,6 +17,7 @@ from b12x_inductor.plan import FP8, Plan, Problem, split_scratch_bytes, with_til
 TILE = dict(block_m=1, block_n=64, num_stages=2, num_warps=4)
 MMA_TILE = dict(block_m=16, block_n=128, num_stages=2, num_warps=4)
 MMA_MIN_SPLIT_KEYS = 1024
+CUTE_SPLITS = dict(programs_per_sm=8, max_splits=64)  # the rule the family's decode was measured with
 
 
 def plan(problem: Problem, **tiles) -> Plan:
@@ -31,7 +32,7 @@ def _plan(problem: Problem) -> Plan:
     if problem.mode == "extend":
         return Plan(mode="extend", family="cute", num_splits=1, block_m=128, block_n=128, num_warps=12,
                     num_stages=3 if problem.head_dim > 64 else 4, scratch_bytes=0)
-    splits = triton_num_splits(problem, problem.batch * problem.num_kv_heads)
+    splits = triton_num_splits(problem, problem.batch * problem.num_kv_heads, **CUTE_SPLITS)
     tile = TILE
     if (problem.mode == "decode" and problem.kv_dtype == FP8 and problem.head_dim <= 128
             and problem.kv_span // splits >= MMA_MIN_SPLIT_KEYS):

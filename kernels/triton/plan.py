@@ -2,43 +2,47 @@
 this family; the tiles were measured on the H200, benchmarks/results/h200.md, "Kernels").
 
 Decode/verify are bound by the KV bytes: split-KV programs (B x Hkv x M-tiles x splits) should number about
-8 per SM, the split count a power of two (uneven splits and part waves cost), each split at least 256 of the
-keys a query can see (the capacity, or a sliding window's keys: Problem.kv_span). float8 caches take 128-key
-tiles (half the bytes per key). Extend: 128 x 128 tiles for D <= 128, 64 x 32 above.
+4 per SM (512 on the H200: 1.03-1.10x over 8 per SM on every decode and verify row that had more, h200.md,
+"Session 26"), the split count a power of two (uneven splits and part waves cost) and at most 128 (one
+request with 4 KV heads, Qwen2-7B's, needs 128 to reach 512 programs), each split at least 256 of the keys a
+query can see (the capacity, or a sliding window's keys: Problem.kv_span). float8 caches take 128-key tiles (half
+the bytes per key). D 256 decode (bf16 / fp16) takes 64-key tiles with 3 stages (76 KB of shared memory).
+Extend: 128 x 128 tiles for D <= 128; above, 128 x 64 with 8 warps on sm90 / sm100 (197 KB of shared memory,
+1.28x the 64 x 32 tile on Gemma's D 256), 64 x 32 with 4 warps elsewhere.
 
 The tiles follow the wider of the two head dims, max(D, Dv) (D for plain GQA). Above 256 (MLA's absorbed
-D = 576 / Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take 32-key tiles, and
-64 query rows with 8 warps where a KV head has at least 64 of them (H >= 64 decode, H = 16 verify S >= 4),
-else 16 rows with 4 warps; a 64-row program (a 64 x 512 fp32 accumulator and 213 KB of shared memory) is
-one per SM, so its splits aim at 2 programs per SM, and only sm90 / sm100 (227 KB a block) take it: sm80,
-sm89 and sm120 keep 16 rows (89 KB). These were the fastest of 9 tiles on every MLA row of
-`python -m b12x_inductor.bench mla --variants ...` (h200.md, "MLA"), 1.2-2.6x the 16 x 16 tile they
-replaced. Extend takes 32 x 16 with 8 warps (not yet measured).
-
-v_from_k (V's tile taken from K's, one load instead of two; where v_cache is k_cache's first Dv columns and
-K's first column block is exactly Dv wide: MLA's 576 / 512 view) is built and tested against the reference,
-and not the plan (V_FROM_K = False) until `python -m b12x_inductor.bench mla --variants ...:vk` measures it on
-the H200: the bench and tests ask for it through `plan.family_plan(..., v_from_k=True)`.
+D = 576 / Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take V's tile from K's
+(v_from_k: one load instead of two, where v_cache is k_cache's first Dv columns and K's first column block is
+exactly Dv wide, `v_from_k_fits`: MLA's 576 / 512 view; 1.14-1.30x on every MLA row), and 64 query rows with
+8 warps and 64-key tiles where a KV head has at least 64 rows (H >= 64 decode, H = 16 verify S >= 4), else 16
+rows with 4 warps and 32-key tiles. A 64-row program (a 64 x 512 fp32 accumulator, 221 KB of shared memory)
+is one per SM, so its splits aim at 1 program per SM, and only sm90 / sm100 (227 KB a block) take it: sm80,
+sm89 and sm120 keep 16 rows (56 KB). The 16-row tile's splits aim at 2 programs per SM: each split also
+writes a 16 x 512 fp32 partial. MLA splits stay at most 64 (MLA_MAX_SPLITS). Where v_cache is a separate
+tensor, V is loaded on its own and the wide tile takes 32 keys (213 KB). Measured with
+`python -m b12x_inductor.bench mla --variants ...` (h200.md, "MLA"). Extend takes 32 x 16 with 8 warps and
+loads V itself (neither measured yet).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from b12x_inductor.plan import FP8, Plan, Problem, next_pow2, split_count, split_scratch_bytes, with_tiles
 
-SPLIT_RULE = dict(programs_per_sm=8, min_split_keys=256, max_splits=64)
+SPLIT_RULE = dict(programs_per_sm=4, min_split_keys=256, max_splits=128)
 MLA_WIDE_ROWS = 64  # MLA decode/verify: query rows of the wide tile (one program per SM)
-MLA_WIDE_PROGRAMS_PER_SM = 2
-MLA_WIDE_MAJORS = (9, 10)  # its 213 KB of shared memory (bf16, sm90) fit the 227 KB a block has on sm90/sm100
+MLA_PROGRAMS_PER_SM = 2  # MLA's 16-row tile: each split also writes 16 x 512 fp32 partials
+MLA_WIDE_PROGRAMS_PER_SM = 1
+MLA_WIDE_MAJORS = (9, 10)  # its 221 KB of shared memory (bf16, sm90) fit the 227 KB a block has on sm90/sm100
+WIDE_EXTEND_MAJORS = (9, 10)  # extend above D 128 (Gemma's 256): the 128 x 64 tile needs sm90 / sm100's 227 KB
+MLA_MAX_SPLITS = 64  # MLA decode/verify: 128 splits ran H128 1x32768 at 149 us, 64 at 84 (one CTA per SM)
 
 
-def num_splits(problem: Problem, programs: int, programs_per_sm: int = SPLIT_RULE["programs_per_sm"]) -> int:
-    """Split-KV partitions for `programs` programs per split (the CuTe family uses the same rule)."""
-    return split_count(problem, programs, **{**SPLIT_RULE, "programs_per_sm": programs_per_sm})
-
-
-V_FROM_K = False  # select_plan takes v_from_k where it fits: off until measured
+def num_splits(problem: Problem, programs: int, programs_per_sm: int = SPLIT_RULE["programs_per_sm"],
+               max_splits: int = SPLIT_RULE["max_splits"]) -> int:
+    """Split-KV partitions for `programs` programs per split (the CuTe family uses the same rule, with the
+    cap of 64 splits it was measured with)."""
+    return split_count(problem, programs, **{**SPLIT_RULE, "programs_per_sm": programs_per_sm,
+                                             "max_splits": max_splits})
 
 
 def v_from_k_fits(problem: Problem) -> bool:
@@ -55,10 +59,7 @@ def plan(problem: Problem, **tiles) -> Plan:
     if tiles.get("v_from_k") and not v_from_k_fits(problem):
         raise ValueError(f"paged_attention: v_from_k needs v_cache to be k_cache's first Dv columns, Dv the "
                          f"width of K's first column block (MLA's 576 / 512 view); got {problem}")
-    chosen = _plan(problem)
-    if V_FROM_K and v_from_k_fits(problem):
-        chosen = dataclasses.replace(chosen, v_from_k=True)
-    return with_tiles(problem, chosen, tiles)
+    return with_tiles(problem, _plan(problem), tiles)
 
 
 def _plan(problem: Problem) -> Plan:
@@ -69,23 +70,32 @@ def _plan(problem: Problem) -> Plan:
             return Plan(mode=mode, family="triton", num_splits=1, block_m=32, block_n=16, num_warps=8,
                         num_stages=2, scratch_bytes=0)
         rows = problem.q_len * problem.group
+        vk = v_from_k_fits(problem)
         wide = rows >= MLA_WIDE_ROWS and problem.capability[0] in MLA_WIDE_MAJORS
         block_m = MLA_WIDE_ROWS if wide else 16
         m_tiles = -(-rows // block_m)
         splits = num_splits(problem, problem.batch * problem.num_kv_heads * m_tiles,
-                            MLA_WIDE_PROGRAMS_PER_SM if wide else SPLIT_RULE["programs_per_sm"])
-        return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=32,
-                    num_warps=8 if wide else 4, num_stages=2, scratch_bytes=split_scratch_bytes(problem, splits))
+                            MLA_WIDE_PROGRAMS_PER_SM if wide else MLA_PROGRAMS_PER_SM, MLA_MAX_SPLITS)
+        return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m,
+                    block_n=64 if wide and vk else 32, num_warps=8 if wide else 4, num_stages=2,
+                    scratch_bytes=split_scratch_bytes(problem, splits), v_from_k=vk)
     if mode == "extend":
         if d <= 128:
             return Plan(mode=mode, family="triton", num_splits=1, block_m=128, block_n=128, num_warps=8,
                         num_stages=3, scratch_bytes=0)
+        if problem.capability[0] in WIDE_EXTEND_MAJORS:  # 128 x 64, 8 warps: 197 KB of shared memory
+            return Plan(mode=mode, family="triton", num_splits=1, block_m=128, block_n=64, num_warps=8,
+                        num_stages=2, scratch_bytes=0)
         return Plan(mode=mode, family="triton", num_splits=1, block_m=64, block_n=32, num_warps=4, num_stages=2,
                     scratch_bytes=0)
     rows = problem.q_len * problem.group  # query rows packed per KV head
     block_m = min(max(16, next_pow2(rows)), 64 if d > 128 else 128)
     m_tiles = -(-rows // block_m)
     block_n = (128 if fp8 else 64) if d <= 128 else (64 if fp8 else 32)
+    stages = 2
+    if d > 128 and not fp8 and mode == "decode":  # Gemma's D 256 decode: 64-key tiles, 3 stages (76 KB)
+        block_n, stages = 64, 3
     splits = num_splits(problem, problem.batch * problem.num_kv_heads * m_tiles)
     return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=block_n,
-                num_warps=4 if block_m <= 32 else 8, num_stages=2, scratch_bytes=split_scratch_bytes(problem, splits))
+                num_warps=4 if block_m <= 32 else 8, num_stages=stages,
+                scratch_bytes=split_scratch_bytes(problem, splits))
