@@ -19,7 +19,8 @@ import torch  # noqa: E402
 H200 = dict(device_type="cuda", sm_count=132, capability=(9, 0))
 GQA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
 MLA = dict(num_q_heads=16, num_kv_heads=1, head_dim=576, v_head_dim=512, page_size=64, v_in_k=True)
-VK = dict(v_from_k=True)  # V's tile from K's (plan.v_from_k)
+VK = dict(v_from_k=True)  # V's tile from K's (plan.v_from_k; the MLA decode plans take it)
+OWN_V = dict(v_from_k=False)  # V loaded on its own
 OPT = dict(kv_layout="NHD", causal=True, scale=0.1, window_left=-1, softcap=0.0)
 F8 = torch.float8_e4m3fn
 ROWS = [
@@ -33,9 +34,9 @@ ROWS = [
     ("gemma D256 decode 32x4096", dict(GQA, num_q_heads=16, head_dim=256, batch=32, q_len=1, max_pages=256), OPT,
      [{}, dict(block_n=64)]),
     ("mla H16 decode 32x4096", dict(MLA, batch=32, q_len=1, max_pages=64), OPT,
-     [{}, VK, dict(VK, num_stages=3), dict(VK, num_stages=4), dict(VK, block_n=64)]),
+     [{}, OWN_V, dict(num_stages=3), dict(block_n=64)]),
     ("mla H128 decode 32x4096", dict(MLA, num_q_heads=128, batch=32, q_len=1, max_pages=64), OPT,
-     [{}, VK, dict(VK, num_stages=3)]),
+     [{}, dict(OWN_V, block_n=32), dict(num_stages=3)]),
     ("mla H16 extend 1x2048", dict(MLA, batch=1, q_len=2048, max_pages=32), OPT,
      [{}, VK, dict(VK, block_n=32)]),
 ]
