@@ -1,12 +1,12 @@
 """The CuTe DSL family's plans and where select_plan prefers it over Triton (pure functions of the Problem).
 
 Decode/verify: one CTA per (request, KV head, split) with all S x G query rows and a ring of `num_stages`
-tiles of `block_n` keys; the split count is the Triton family's rule with the constants it was measured with (CUTE_SPLITS). block_m 1 selects the CUDA-core kernel
-(decode.py), 16 (MMA_M) the tensor-core one (decode_mma.py), which takes float8 decode once a split spans
-at least MMA_MIN_SPLIT_KEYS of the keys a query can see (Problem.kv_span). Extend: 128 query rows (two
-consumer warpgroups) and a producer warpgroup, 128-key tiles, as many stages as shared memory holds
-(extend_geometry). The choices
-and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL kernels".
+tiles of `block_n` keys; the split count is the Triton family's rule with the constants this family was
+measured with (CUTE_SPLITS). block_m 1 selects the CUDA-core kernel (decode.py), 16 (MMA_M) the tensor-core
+one (decode_mma.py), which takes float8 decode once a split spans at least MMA_MIN_SPLIT_KEYS of the keys a
+query can see (Problem.kv_span). Extend: 128 query rows (two consumer warpgroups) and a producer warpgroup,
+128-key tiles, as many stages as shared memory holds (extend_geometry). The choices and the measurements
+behind them: benchmarks/results/h200.md, "CuTe DSL kernels".
 """
 
 from __future__ import annotations

@@ -2,18 +2,18 @@
 this family; the tiles were measured on the H200, benchmarks/results/h200.md, "Kernels").
 
 Decode/verify are bound by the KV bytes: split-KV programs (B x Hkv x M-tiles x splits) should number about
-4 per SM (512 on the H200: 1.03-1.10x over 8 per SM on every decode and verify row that had more, h200.md,
-"Session 26"), the split count a power of two (uneven splits and part waves cost) and at most 128 (one
-request with 4 KV heads, Qwen2-7B's, needs 128 to reach 512 programs), each split at least 256 of the keys a
-query can see (the capacity, or a sliding window's keys: Problem.kv_span). float8 caches take 128-key tiles (half
-the bytes per key). D 256 decode (bf16 / fp16) takes 64-key tiles with 3 stages (76 KB of shared memory).
-Extend: 128 x 128 tiles for D <= 128; above, 128 x 64 with 8 warps on sm90 / sm100 (197 KB of shared memory,
-1.28x the 64 x 32 tile on Gemma's D 256), 64 x 32 with 4 warps elsewhere.
+4 per SM (every decode and verify row of the H200 sweep was fastest there, h200.md, "Session 26"), the split
+count a power of two (uneven splits and part waves cost) and at most 128 (one request with 4 KV heads,
+Qwen2-7B's, needs 128 to reach 4 per SM), each split at least 256 of the keys a query can see (the capacity,
+or a sliding window's keys: Problem.kv_span). float8 caches take 128-key tiles (half the bytes per key).
+Decode above D 128 (192, 256) in bf16 / fp16 takes 64-key tiles with 3 stages (76 KB of shared memory at D
+256). Extend: 128 x 128 tiles for D <= 128; above, 128 x 64 with 8 warps on sm90 / sm100 (197 KB of shared
+memory at D 256), 64 x 32 with 4 warps elsewhere.
 
 The tiles follow the wider of the two head dims, max(D, Dv) (D for plain GQA). Above 256 (MLA's absorbed
 D = 576 / Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take V's tile from K's
 (v_from_k: one load instead of two, where v_cache is k_cache's first Dv columns and K's first column block is
-exactly Dv wide, `v_from_k_fits`: MLA's 576 / 512 view; 1.14-1.30x on every MLA row), and 64 query rows with
+exactly Dv wide, `v_from_k_fits`: MLA's 576 / 512 view; faster on every MLA row), and 64 query rows with
 8 warps and 64-key tiles where a KV head has at least 64 rows (H >= 64 decode, H = 16 verify S >= 4), else 16
 rows with 4 warps and 32-key tiles. A 64-row program (a 64 x 512 fp32 accumulator, 221 KB of shared memory)
 is one per SM, so its splits aim at 1 program per SM, and only sm90 / sm100 (227 KB a block) take it: sm80,
@@ -34,13 +34,13 @@ MLA_PROGRAMS_PER_SM = 2  # MLA's 16-row tile: each split also writes 16 x 512 fp
 MLA_WIDE_PROGRAMS_PER_SM = 1
 MLA_WIDE_MAJORS = (9, 10)  # its 221 KB of shared memory (bf16, sm90) fit the 227 KB a block has on sm90/sm100
 WIDE_EXTEND_MAJORS = (9, 10)  # extend above D 128 (Gemma's 256): the 128 x 64 tile needs sm90 / sm100's 227 KB
-MLA_MAX_SPLITS = 64  # MLA decode/verify: 128 splits ran H128 1x32768 at 149 us, 64 at 84 (one CTA per SM)
+MLA_MAX_SPLITS = 64  # MLA decode/verify: 128 splits make two waves of one-per-SM programs at H128 1x32768
 
 
 def num_splits(problem: Problem, programs: int, programs_per_sm: int = SPLIT_RULE["programs_per_sm"],
                max_splits: int = SPLIT_RULE["max_splits"]) -> int:
     """Split-KV partitions for `programs` programs per split (the CuTe family uses the same rule, with the
-    cap of 64 splits it was measured with)."""
+    constants it was measured with: kernels/cute/plan.py, CUTE_SPLITS)."""
     return split_count(problem, programs, **{**SPLIT_RULE, "programs_per_sm": programs_per_sm,
                                              "max_splits": max_splits})
 
@@ -93,7 +93,7 @@ def _plan(problem: Problem) -> Plan:
     m_tiles = -(-rows // block_m)
     block_n = (128 if fp8 else 64) if d <= 128 else (64 if fp8 else 32)
     stages = 2
-    if d > 128 and not fp8 and mode == "decode":  # Gemma's D 256 decode: 64-key tiles, 3 stages (76 KB)
+    if d > 128 and not fp8 and mode == "decode":  # D 192 / 256 decode: 64-key tiles, 3 stages
         block_n, stages = 64, 3
     splits = num_splits(problem, problem.batch * problem.num_kv_heads * m_tiles)
     return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=block_n,
