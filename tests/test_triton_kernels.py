@@ -320,7 +320,7 @@ GPU_CASES = [
     ("decode_mla576_p64", dict(batch=3, hq=16, hkv=1, d=576, dv=512, v_view=True, page_size=64,
                                lens=[700, 1, 2053], nan_unused=True), dict(scale=0.07)),
     ("decode_mla576_h128_p64_split", dict(batch=2, hq=128, hkv=1, d=576, dv=512, v_view=True, page_size=64,
-                                          lens=[1900, 64], nan_unused=True), {}),  # the 64-row tile, 2 splits
+                                          lens=[1900, 64], nan_unused=True), {}),  # the 64-row tile, 4 splits
     ("decode_mla576_fp8_p1_h128", dict(batch=2, hq=128, hkv=1, d=576, dv=512, v_view=True, page_size=1,
                                        lens=[300, 77], kv_dtype=F8, descale="scalar", nan_unused=True), {}),
     ("verify_mla576_s4", dict(batch=2, q_len=4, hq=16, hkv=1, d=576, dv=512, v_view=True, page_size=16,
@@ -392,7 +392,8 @@ V_FROM_K_CASES = [c for c in GPU_CASES if "mla576" in c[0]]
 @pytest.mark.parametrize("name,kw,options", [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in V_FROM_K_CASES],
                          ids=[c[0] for c in V_FROM_K_CASES])
 def test_gpu_v_from_k_matches_reference(name, kw, options):
-    """The MLA cases with V's tile taken from K's (plan.v_from_k, not yet the plan: kernels/triton/plan.py)."""
+    """The MLA cases with V's tile taken from K's (plan.v_from_k) asked for: the decode/verify plans take it
+    themselves (kernels/triton/plan.py), the extend plan does not, so extend runs it here only."""
     from tests.helpers import run_family
 
     t, options = _gpu_case(name, kw, options)
