@@ -77,7 +77,8 @@ def test_kernel_compiles_for_sm90a(name, problem, plan, options, monkeypatch):
 def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     """`run` builds each launch by name from the kernel's `__call__` signature (`_abi`): every argument is
     there, in order, each scalar of its annotated type. The compiled kernel and the GPU are replaced by a
-    check of the arguments; the Triton merge kernel by nothing."""
+    check of the arguments, and the Triton merge kernel's launch by a check of its names against the kernel's
+    parameters."""
     import contextlib
     from unittest import mock
 
@@ -104,7 +105,17 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     monkeypatch.setattr(cute, "_check_aligned", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: mock.MagicMock(cuda_stream=0))
-    monkeypatch.setattr(triton_decode, "merge_kernel", mock.MagicMock())
+    real_merge = triton_decode.merge_kernel
+
+    class Merge:  # the merge launch's arguments checked against the Triton kernel's own parameters
+        def __getitem__(self, grid):
+            def launch(*args, num_warps, num_stages, **constants):
+                assert list(real_merge.arg_names) == [*real_merge.arg_names[:len(args)], *constants], constants
+                assert constants["DV"] == t["v_cache"].shape[-1], constants
+                launched.append("merge")
+            return launch
+
+    monkeypatch.setattr(triton_decode, "merge_kernel", Merge())
     kw = {"decode": dict(q_len=1), "verify_fp8_features": dict(q_len=4, kv_start=True, descale="bh", kv_dtype=F8),
           "extend_sinks": dict(q_len=40, sinks=True), "packed_kv_start": dict(packed=True, kv_start=True)}[case]
     t = make_inputs(**dict(d=128, hq=8, hkv=2, page_size=16, lens=[100, 70]), **kw)
@@ -119,4 +130,4 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
         **{k: t[k] for k in kernels.Call.INPUTS}, out=torch.empty_like(q), lse=torch.empty(q.shape[:-1]),
         scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8),
         options=Options.of(128, kv_layout="NHD", causal=True, scale=None, window_left=-1, softcap=0.0), plan=plan))
-    assert launched == ["ExtendKernel" if plan.mode == "extend" else "SplitKernel"]
+    assert launched == (["ExtendKernel"] if plan.mode == "extend" else ["SplitKernel", "merge"])

@@ -22,7 +22,7 @@ import inspect
 
 import torch
 
-from b12x_inductor.plan import FP8, MAX_VERIFY_LEN, Q_DTYPES_CUDA, next_pow2
+from b12x_inductor.plan import FP8, MAX_VERIFY_LEN, Q_DTYPES_CUDA
 from b12x_inductor.validate import cache_dims
 
 from . import plan as _plan
@@ -382,8 +382,7 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
         sinks = tensors["sinks"]
         triton_decode.merge_kernel[(batch * s * hq,)](
             part_o, part_l, sinks if sinks is not None else lse, out, lse, int(sinks is not None),
-            HQ=hq, D=d, BLOCK_D=next_pow2(d), NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits), num_warps=4,
-            num_stages=1)
+            **triton_decode.merge_launch(hq, v_cache.shape[-1], splits))
 
 
 def precompile(problem, plan, options) -> None:
@@ -413,11 +412,10 @@ def _precompile_merge(problem, splits: int) -> None:
     from b12x_inductor.kernels.triton import decode as triton_decode
     from b12x_inductor.kernels.triton._compile_only import load_now
 
-    d, hq = problem.head_dim, problem.num_q_heads
+    hq = problem.num_q_heads
     k = triton_decode.merge_kernel.warmup(
         torch.float32, torch.float32, torch.float32, problem.q_dtype, torch.float32, 0,
-        grid=(problem.batch * problem.q_len * hq,), HQ=hq, D=d, BLOCK_D=next_pow2(d), NUM_SPLITS=splits,
-        SPLITS_P2=next_pow2(splits), num_warps=4, num_stages=1)
+        grid=(problem.batch * problem.q_len * hq,), **triton_decode.merge_launch(hq, problem.v_head_dim, splits))
     load_now(k)
 
 

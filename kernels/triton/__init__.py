@@ -203,8 +203,9 @@ def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
                   NUM_SPLITS=splits, **flags)
     merge_grid = (x.batch * x.q_len * x.hq,)
     merge_args = (x.part_o, x.part_l, x.sinks, x.out, x.lse, x.has_sinks)
-    merge_consts = dict(HQ=x.hq, DV=x.dv, BLOCK_DV=next_pow2(x.dv), NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits))
-    merge_tune = dict(num_warps=4, num_stages=1)
+    merge = decode.merge_launch(x.hq, x.dv, splits)
+    merge_tune = {k: merge.pop(k) for k in ("num_warps", "num_stages")}
+    merge_consts = merge
     if warmup:
         if compile_with:
             kernels = [compile_with(decode.split_kernel, args, consts, tune)]

@@ -23,6 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from b12x_inductor.plan import next_pow2
+
 from .common import LN2, LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, q_rows, tile
 
 
@@ -108,6 +110,13 @@ def split_kernel(
         o = tl.where(seen[:, None], acc * (v_scale / safe_l)[:, None], 0.0)
         tl.store(PART_O + part[:, None] * DV + offs_dv[None, :], o, mask=row_ok[:, None] & dv_ok[None, :])
         tl.store(PART_L + part, tl.where(seen, m_i + tl.log2(safe_l), float("-inf")), mask=row_ok)
+
+
+def merge_launch(hq: int, dv: int, splits: int) -> dict:
+    """The merge kernel's compile-time arguments and launch options, one place for both families' launches
+    (B * S * Hq programs; the splits' partials are [row, split, DV] fp32 and LSEs [row, split])."""
+    return dict(HQ=hq, DV=dv, BLOCK_DV=next_pow2(dv), NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits), num_warps=4,
+                num_stages=1)
 
 
 @triton.jit(do_not_specialize=["SINKS", "has_sinks"])
