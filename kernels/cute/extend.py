@@ -62,8 +62,9 @@ from cutlass.utils import LayoutEnum
 
 from b12x_inductor.kernels.cute import EXTEND_BLOCK_M as BLOCK_M
 from b12x_inductor.kernels.cute import extend_geometry, tma, tma_box
-from b12x_inductor.kernels.cute.common import (LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier, live_range, logit,
-                                               release_phase, scales, stage_phase, visible)
+from b12x_inductor.kernels.cute.common import (LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier, live_range,
+                                               release_phase, scales, stage_phase)
+from b12x_inductor.kernels.cute.softmax import online_softmax
 
 LN2 = 0.6931471805599453
 THREADS = 384  # producer warpgroup + two consumer warpgroups
@@ -288,8 +289,8 @@ class ExtendKernel:
                     self._scores(acc_s, tSrQ, tSrK, 0)
                     self._pass_turn(wgc)
                     warpgroup.wait_group(0)
-                    self._softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo, hi, start, full_lo, full_hi,
-                                  k_scale, softcap, window_left)
+                    online_softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo, hi, start, full_lo, full_hi,
+                                   k_scale, softcap, window_left, **self._masks())
                 for it in cutlass.range(1, n_tiles, unroll=1):
                     # P V of tile it - 2 is done (its wait sits here, a loop iteration away from the softmax, so
                     # the compiler cannot move it ahead of the exponentials): O to tile it - 1's max, P of tile
@@ -311,8 +312,8 @@ class ExtendKernel:
                     self._pv(acc_o, t_orp, tOrV, prev)
                     self._pass_turn(wgc)
                     warpgroup.wait_group(1)
-                    self._softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo + it * BN, hi, start, full_lo,
-                                  full_hi, k_scale, softcap, window_left)
+                    online_softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo + it * BN, hi, start, full_lo,
+                                   full_hi, k_scale, softcap, window_left, **self._masks())
                 if n_tiles > 0:
                     last = (n_tiles - 1) % NS
                     warpgroup.wait_group(0)
@@ -415,6 +416,10 @@ class ExtendKernel:
                                                  warpgroup.OperandMajorMode.MN, Float32, (2, 1, 1), (64, self.d),
                                                  a_source=warpgroup.OperandSource.RMEM)
 
+    def _masks(self) -> dict:
+        """The compile-time flags of `online_softmax` for this kernel."""
+        return dict(tile_n=self.tile_n, causal=self.causal, use_window=self.use_window, use_softcap=self.use_softcap)
+
     @staticmethod
     def _take_turn(wgc):
         """Waits until consumer warpgroup `wgc` may issue its GEMMs (the other one has issued its own)."""
@@ -451,48 +456,6 @@ class ExtendKernel:
         for k in cutlass.range_constexpr(self.tile_n // 16):
             cute.gemm(mma_pv, acc_o, t_orp[None, None, k], tOrV[None, None, k, stage], acc_o)
         warpgroup.commit_group()
-
-    @cute.jit
-    def _softmax(self, acc_s: cute.Tensor, t_cs: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor,
-                 alpha: cute.Tensor, limit: cute.Tensor, j0: Int32, hi: Int32, start: Int32, full_lo: Int32,
-                 full_hi: Int32, k_scale: Float32, softcap: Float32, window_left: Int32):
-        """One score tile (keys j0 ...) in place: the masks where the tile reaches past the fully visible range,
-        then P = exp2(logit - m); updates the rows' running max and sum and sets alpha, the factor that rescales
-        O to the new max. Fragment element i is in row half (i // 2) % 2.
-
-        Without softcap the scale is folded into the exponent (one FMA, exp2(s * k_scale - m)) and the max is
-        taken on raw scores: k_scale > 0 (the scale is validated positive; the family takes caches in q's
-        dtype, so no descale). With softcap the logits are computed first. The max and the sum use four
-        partial chains per row (shorter dependency chains)."""
-        BN = const_expr(self.tile_n)
-        N = const_expr(cute.size(acc_s))
-        c = k_scale
-        if const_expr(self.use_softcap):
-            for i in cutlass.range_constexpr(N):
-                acc_s[i] = logit(acc_s[i], k_scale, softcap, True)
-            c = Float32(1.0)
-        if (j0 < full_lo) | (j0 + BN > full_hi):
-            for i in cutlass.range_constexpr(N):
-                ok = visible(j0 + t_cs[i][1], hi, start, limit[(i // 2) % 2], window_left, self.causal,
-                             self.use_window)
-                acc_s[i] = acc_s[i] if ok else Float32(-math.inf)
-        for rh in cutlass.range_constexpr(2):
-            idx = [i for i in range(N) if (i // 2) % 2 == rh]  # this row's elements (compile-time list)
-            part = [acc_s[idx[k]] for k in range(4)]
-            for k in cutlass.range_constexpr(4, len(idx)):
-                part[k % 4] = cute.arch.fmax(part[k % 4], acc_s[idx[k]])
-            t_max = cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
-            t_max = cute.arch.fmax(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=1))
-            t_max = cute.arch.fmax(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=2))
-            m_new = cute.arch.fmax(m_run[rh], cute.arch.fmax(t_max * c, Float32(NEG_BIG)))
-            alpha[rh] = cute.arch.exp2(m_run[rh] - m_new)
-            m_run[rh] = m_new
-            sums = [Float32(0.0)] * 4
-            for k in cutlass.range_constexpr(len(idx)):
-                p = cute.arch.exp2(acc_s[idx[k]] * c - m_new)
-                acc_s[idx[k]] = p
-                sums[k % 4] = sums[k % 4] + p
-            l_run[rh] = l_run[rh] * alpha[rh] + ((sums[0] + sums[1]) + (sums[2] + sums[3]))
 
     @cute.jit
     def _produce(self, tidx: Int32, b: Int32, h: Int32, lo: Int32, hi: Int32, length: Int32, n_tiles: Int32,

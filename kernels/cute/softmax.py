@@ -1,0 +1,63 @@
+"""The online softmax of one wgmma score tile, written once for the CuTe DSL kernels that keep scores in an
+m64nN accumulator (extend.py, mla.py).
+
+Fragment element i of the accumulator is in row half (i // 2) % 2: each thread holds two rows (r and r + 8)
+of the tile, and the four threads of a quad share them (a row's maxima and sums reduce over the quad by
+shuffles of offsets 1 and 2). m_run, l_run, alpha and limit are (2,) register tensors, one entry per row half.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from b12x_inductor.kernels.cute.common import NEG_BIG, logit, visible
+
+
+@cute.jit
+def online_softmax(acc_s: cute.Tensor, t_cs: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor,
+                   alpha: cute.Tensor, limit: cute.Tensor, j0: Int32, hi: Int32, start: Int32, full_lo: Int32,
+                   full_hi: Int32, k_scale: Float32, softcap: Float32, window_left: Int32,
+                   tile_n: cutlass.Constexpr, causal: cutlass.Constexpr, use_window: cutlass.Constexpr,
+                   use_softcap: cutlass.Constexpr):
+    """One score tile (keys j0 ... j0 + tile_n; t_cs: the fragment's (row, key) coordinates) in place: the masks
+    where the tile reaches past the fully visible range [full_lo, full_hi), then P = exp2(logit - m); updates
+    the rows' running max and (this thread's part of the) sum and sets alpha, the factor that rescales O to
+    the new max.
+
+    Without softcap the scale is folded into the exponent (one FMA, exp2(s * k_scale - m)) and the max is
+    taken on raw scores: k_scale > 0 (the scale is validated positive; the kernels that call this take caches
+    in q's dtype, so no descale). With softcap the logits are computed first. The max and the sum use four
+    partial chains per row (shorter dependency chains). A row that sees no key keeps m = NEG_BIG (finite), so
+    every P is 0 and alpha 1, never NaN."""
+    BN = const_expr(tile_n)
+    N = const_expr(cute.size(acc_s))
+    c = k_scale
+    if const_expr(use_softcap):
+        for i in cutlass.range_constexpr(N):
+            acc_s[i] = logit(acc_s[i], k_scale, softcap, True)
+        c = Float32(1.0)
+    if (j0 < full_lo) | (j0 + BN > full_hi):
+        for i in cutlass.range_constexpr(N):
+            ok = visible(j0 + t_cs[i][1], hi, start, limit[(i // 2) % 2], window_left, causal, use_window)
+            acc_s[i] = acc_s[i] if ok else Float32(-math.inf)
+    for rh in cutlass.range_constexpr(2):
+        idx = [i for i in range(N) if (i // 2) % 2 == rh]  # this row's elements (compile-time list)
+        part = [acc_s[idx[k]] for k in range(4)]
+        for k in cutlass.range_constexpr(4, len(idx)):
+            part[k % 4] = cute.arch.fmax(part[k % 4], acc_s[idx[k]])
+        t_max = cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
+        t_max = cute.arch.fmax(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=1))
+        t_max = cute.arch.fmax(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=2))
+        m_new = cute.arch.fmax(m_run[rh], cute.arch.fmax(t_max * c, Float32(NEG_BIG)))
+        alpha[rh] = cute.arch.exp2(m_run[rh] - m_new)
+        m_run[rh] = m_new
+        sums = [Float32(0.0)] * 4
+        for k in cutlass.range_constexpr(len(idx)):
+            p = cute.arch.exp2(acc_s[idx[k]] * c - m_new)
+            acc_s[idx[k]] = p
+            sums[k % 4] = sums[k % 4] + p
+        l_run[rh] = l_run[rh] * alpha[rh] + ((sums[0] + sums[1]) + (sums[2] + sums[3]))
