@@ -45,6 +45,10 @@ def _cases():
         grid.append((dict(q_len=4, page_size=page, kv_dtype=F8 if fp8 else torch.float16, q_dtype=torch.float16), {}))
     for d, page, packed in itertools.product((64, 128), (1, 16, 64), (False, True)):
         grid.append((dict(q_len=512 if packed else 300, packed=packed, head_dim=d, page_size=page), {}))
+    mla = dict(num_q_heads=128, num_kv_heads=1, head_dim=576, v_head_dim=512, v_in_k=True)
+    for q_len, heads, page, tiles in ((1, 128, 64, {}), (1, 16, 1, {}), (4, 16, 16, dict(block_n=64, num_stages=2)),
+                                      (2, 128, 128, dict(num_splits=1))):
+        grid.append((dict(mla, q_len=q_len, num_q_heads=heads, page_size=page), tiles))  # mla.py
     cases = []
     for i, (kw, tiles) in enumerate(grid):
         p = _problem(**kw, kv_layout="HND" if i % 2 else "NHD")
@@ -63,7 +67,8 @@ CASES = _cases()
 def test_the_grid_reaches_every_kernel():
     modes = {(c[2].mode, c[2].block_m) for c in CASES}
     assert {("decode", 1), ("decode", 16), ("verify", 1), ("extend", 128)} <= modes, modes
-    assert {c[1].page_size for c in CASES} == {1, 16, 64}  # cp.async only, TMA boxes of 16 and of 64
+    assert ("decode", 64) in modes and ("verify", 64) in modes  # mla.py
+    assert {c[1].page_size for c in CASES} == {1, 16, 64, 128}  # cp.async only, TMA boxes of 16, 32 and 64
 
 
 @pytest.mark.parametrize("name,problem,plan,options", CASES, ids=[c[0] for c in CASES])
@@ -73,7 +78,8 @@ def test_kernel_compiles_for_sm90a(name, problem, plan, options, monkeypatch):
     assert cute.compile_kernel(problem, plan, options) is not None
 
 
-@pytest.mark.parametrize("case", ["decode", "verify_fp8_features", "extend_sinks", "packed_kv_start"])
+@pytest.mark.parametrize("case", ["decode", "verify_fp8_features", "extend_sinks", "packed_kv_start", "mla_decode",
+                                  "mla_verify_one_split"])
 def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     """`run` builds each launch by name from the kernel's `__call__` signature (`_abi`): every argument is
     there, in order, each scalar of its annotated type. The compiled kernel and the GPU are replaced by a
@@ -85,6 +91,7 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     from b12x_inductor import kernels, validate
     from b12x_inductor.kernels.cute.decode import SplitKernel
     from b12x_inductor.kernels.cute.extend import ExtendKernel
+    from b12x_inductor.kernels.cute.mla import MlaSplitKernel
     from b12x_inductor.kernels.triton import decode as triton_decode
     from tests.test_triton_kernels import make_inputs
 
@@ -102,6 +109,7 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
 
     monkeypatch.setattr(cute, "_compiled", lambda key: checking(SplitKernel))
     monkeypatch.setattr(cute, "_compiled_extend", lambda key: checking(ExtendKernel))
+    monkeypatch.setattr(cute, "_compiled_mla", lambda key: checking(MlaSplitKernel))
     monkeypatch.setattr(cute, "_check_aligned", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: mock.MagicMock(cuda_stream=0))
@@ -116,18 +124,23 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
             return launch
 
     monkeypatch.setattr(triton_decode, "merge_kernel", Merge())
+    mla = dict(d=576, dv=512, hq=16, hkv=1, v_view=True)
     kw = {"decode": dict(q_len=1), "verify_fp8_features": dict(q_len=4, kv_start=True, descale="bh", kv_dtype=F8),
-          "extend_sinks": dict(q_len=40, sinks=True), "packed_kv_start": dict(packed=True, kv_start=True)}[case]
-    t = make_inputs(**dict(d=128, hq=8, hkv=2, page_size=16, lens=[100, 70]), **kw)
+          "extend_sinks": dict(q_len=40, sinks=True), "packed_kv_start": dict(packed=True, kv_start=True),
+          "mla_decode": dict(mla, q_len=1, sinks=True, lens=[3000, 70]), "mla_verify_one_split": dict(mla, q_len=4, kv_start=True)}[case]
+    t = make_inputs(**{**dict(d=128, hq=8, hkv=2, page_size=16, lens=[100, 70]), **kw})
     problem = validate.check_paged_attention(
         t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"], kv_layout="NHD",
         causal=True, scale=None, window_left=-1, kv_start=t["kv_start"], sinks=t["sinks"], softcap=0.0,
         k_descale=t["k_descale"], v_descale=t["v_descale"], out=None)
     problem = dataclasses.replace(problem, device_type="cuda", capability=(9, 0), sm_count=132)
-    plan = family_plan(problem, "cute")
+    plan = family_plan(problem, "cute", **(dict(num_splits=1) if case == "mla_verify_one_split" else {}))
     q = t["q"]
     kernels.run(kernels.Call(
-        **{k: t[k] for k in kernels.Call.INPUTS}, out=torch.empty_like(q), lse=torch.empty(q.shape[:-1]),
-        scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8),
-        options=Options.of(128, kv_layout="NHD", causal=True, scale=None, window_left=-1, softcap=0.0), plan=plan))
-    assert launched == (["ExtendKernel"] if plan.mode == "extend" else ["SplitKernel", "merge"])
+        **{k: t[k] for k in kernels.Call.INPUTS}, out=q.new_empty(q.shape[:-1] + t["v_cache"].shape[-1:]),
+        lse=torch.empty(q.shape[:-1]), scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8),
+        options=Options.of(q.shape[-1], kv_layout="NHD", causal=True, scale=None, window_left=-1, softcap=0.0),
+        plan=plan))
+    expected = {"mla_decode": ["MlaSplitKernel", "merge"], "mla_verify_one_split": ["MlaSplitKernel"]}.get(
+        case, ["ExtendKernel"] if plan.mode == "extend" else ["SplitKernel", "merge"])
+    assert launched == expected

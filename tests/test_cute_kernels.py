@@ -374,3 +374,103 @@ def test_gpu_cute_extend_compile_reduce_overhead_no_skip_no_recompile(monkeypatc
     finally:
         ops.plan_for.cache_clear()
         torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Absorbed MLA decode/verify (mla.py): D 576, Dv 512, one KV head, V the first 512 columns of K
+
+MLA = dict(hkv=1, d=576, dv=512, v_view=True)
+
+
+def test_cute_mla_supports_and_plans():
+    """mla.py takes absorbed MLA decode/verify with a 16-bit cache in q's dtype, V a view of K, no window; its
+    plans keep 64 rows per CTA, 4 stages of 32 keys in 223 KB, and write scratch only when they split."""
+    from b12x_inductor.kernels import cute
+    from b12x_inductor.kernels.cute import SMEM_LIMIT, mla_geometry
+    from b12x_inductor.plan import family_plan, split_scratch_bytes
+
+    mla = dict(num_q_heads=128, num_kv_heads=1, head_dim=576, v_head_dim=512, v_in_k=True, page_size=64,
+               max_pages=64)
+    assert cute.supports(_problem(**mla))
+    assert cute.supports(_problem(**{**mla, "q_len": 16, "num_q_heads": 16, "kv_layout": "HND", "page_size": 1}))
+    assert not cute.supports(_problem(**{**mla, "v_in_k": False}))  # V read from K's tiles only
+    assert not cute.supports(_problem(**mla, kv_dtype=F8))  # float8 latent: Triton
+    assert not cute.supports(_problem(**mla, window_left=128))
+    assert not cute.supports(_problem(**mla, q_len=17))  # extend: Triton
+    assert not cute.supports(_problem(**mla, key_mask=True))
+    assert not cute.supports(_problem(**{**mla, "head_dim": 192, "v_head_dim": 128, "num_kv_heads": 8}))
+    for kw in (dict(batch=32), dict(batch=1, max_pages=512), dict(batch=128, max_pages=32),
+               dict(batch=32, q_len=4, num_q_heads=16)):
+        p = _problem(**{**mla, **kw})
+        plan = family_plan(p, "cute")
+        assert (plan.block_m, plan.block_n, plan.num_stages) == (64, 32, 4), plan
+        assert plan.scratch_bytes == split_scratch_bytes(p, plan.num_splits), plan
+        row_blocks = -(-(p.q_len * p.num_q_heads) // 64)
+        assert p.batch * row_blocks * plan.num_splits <= 2 * 132 or plan.num_splits == 1, plan
+    assert family_plan(_problem(**{**mla, "batch": 128, "max_pages": 32}), "cute").scratch_bytes == 0  # 1 split
+    for tile_n, stages in ((32, 4), (64, 2)):
+        assert mla_geometry(tile_n=tile_n, stages=stages)["smem_bytes"] <= SMEM_LIMIT
+    assert mla_geometry(tile_n=64, stages=3) is None and mla_geometry(tile_n=32, stages=5) is None
+
+
+def _cute_mla_case(kw, options):
+    """Whether a Triton GPU case is one mla.py expresses (absorbed MLA decode/verify, 16-bit cache, no window)."""
+    return (kw["d"] == 576 and kw.get("v_view") and not kw.get("packed") and kw.get("q_len", 1) <= 16
+            and kw.get("kv_dtype") in (None, kw.get("dtype", torch.bfloat16)) and not kw.get("key_mask")
+            and options.get("window_left", -1) < 0)
+
+
+# the Triton family's MLA decode/verify cases the kernel expresses, and more: 2 query rows of 128 heads with
+# kv_start (ranges starting inside a tile: cp.async), sinks, softcap and pages of 128 keys (TMA boxes of 32);
+# an fp16 HND cache with pages of 16; one long request over many splits; an empty request and page size 1 (no
+# TMA) non-causal; 8 drafts of 16 heads (two row blocks whose causal limits differ). Unused slots are NaN.
+MLA_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES
+             if _cute_mla_case(c[1], c[2] if len(c) > 2 else {})] + [
+    ("mla_verify_s2_h128_features_p128", dict(MLA, batch=3, q_len=2, hq=128, page_size=128, lens=[700, 2, 130],
+                                              kv_start=True, sinks=True, nan_unused=True),
+     dict(softcap=20.0, scale=0.05)),
+    ("mla_decode_h16_hnd_fp16_p16", dict(MLA, batch=2, hq=16, page_size=16, lens=[333, 1000], kv_layout="HND",
+                                         dtype=torch.float16, nan_unused=True), {}),
+    ("mla_decode_h128_1x8000", dict(MLA, batch=1, hq=128, page_size=64, lens=[8000], nan_unused=True), {}),
+    ("mla_decode_h64_empty_p1", dict(MLA, batch=3, hq=64, page_size=1, lens=[0, 45, 300], sinks=True,
+                                     nan_unused=True), dict(causal=False)),
+    ("mla_verify_s8_h16_kv_start", dict(MLA, batch=2, q_len=8, hq=16, page_size=64, lens=[600, 70], kv_start=True,
+                                        nan_unused=True), {}),
+]
+# the plan; one split (the kernel writes out and lse itself, sink folded in); 3 splits (uneven ranges);
+# 64-key tiles in 2 stages
+MLA_VARIANTS = {"plan": {}, "one_split": dict(num_splits=1), "splits3": dict(num_splits=3),
+                "n64": dict(block_n=64, num_stages=2)}
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("variant", list(MLA_VARIANTS))
+@pytest.mark.parametrize("name,kw,options", MLA_CASES, ids=[c[0] for c in MLA_CASES])
+def test_gpu_cute_mla_matches_reference(name, kw, options, variant):
+    options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
+    t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000)
+    out, lse, plan, _ = run_family(t, options, "cute", overrides=MLA_VARIANTS[variant])
+    torch.cuda.synchronize()
+    assert plan.family == "cute" and plan.block_m == 64, plan
+    check_close(out, lse, *_reference(t, options), what=f"{name} {plan}")
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("variant", ["plan", "one_split"])
+@pytest.mark.parametrize("q_len,heads", [(1, 128), (4, 16)], ids=["decode_h128", "verify_h16"])
+def test_gpu_cute_mla_cuda_graph_replay(q_len, heads, variant):
+    """Capture once; poison the outputs, change lengths and page tables in place, replay, compare."""
+    kw = dict(MLA, batch=3, q_len=q_len, hq=heads, page_size=64, lens=[500, 260, 70], spare_pages=4)
+    t = make_inputs(**kw, device="cuda", seed=13)
+    options = dict(kv_layout="NHD")
+    out, lse, plan, call = run_family(t, options, "cute", overrides=MLA_VARIANTS[variant])
+    torch.cuda.synchronize()
+    assert plan.block_m == 64
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    replay_with_new_lengths(graph, t, out, lse, lambda step: check_close(
+        out, lse, *_reference(t, options), what=f"cute mla q_len {q_len} h{heads} {variant} replay {step}"),
+        page_size=64)

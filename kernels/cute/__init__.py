@@ -32,6 +32,8 @@ EXTEND_HEAD_DIMS = (64, 128)  # extend.py: the P V accumulators take D / 2 fp32 
 MAX_ROWS = 16  # query rows (S x Hq / Hkv) per CTA: the per-thread accumulators are rows x 2-4 fp32
 KEYS_PER_THREAD = 2  # score phase: keys per thread (each q read serves both)
 MMA_M = 16  # a plan's block_m: 16 = the tensor-core kernel (one m16 tile of query rows), 1 = the CUDA-core one
+MLA_BLOCK_M = 64  # mla.py: query rows per CTA (both consumer warpgroups take all 64)
+MLA_D, MLA_DV = 576, 512  # mla.py: the latent's key width (512 + 64 rope) and value width
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90 (a kernel's is its struct's size: storage.py)
 
 # Compute capabilities the GPU tests (tests/test_cute_kernels.py -m gpu) have passed on.
@@ -57,8 +59,8 @@ def supports(problem) -> bool:
     (Installed or not: `available()` says that.)"""
     if problem.device_type != "cuda" or problem.capability not in VERIFIED_CAPABILITIES or problem.key_mask:
         return False
-    if problem.v_head_dim != problem.head_dim:  # MLA (Dv != D): no CuTe kernel yet; the Triton family runs it
-        return False
+    if problem.v_head_dim != problem.head_dim:  # Dv != D: absorbed MLA decode/verify only (mla.py)
+        return mla_supports(problem)
     if problem.q_dtype not in Q_DTYPES_CUDA or problem.kv_layout not in ("NHD", "HND"):
         return False
     if problem.page_size < 1:
@@ -67,6 +69,16 @@ def supports(problem) -> bool:
         return problem.kv_dtype == problem.q_dtype and problem.head_dim in EXTEND_HEAD_DIMS
     return (problem.kv_dtype in (problem.q_dtype, FP8) and problem.head_dim in DECODE_HEAD_DIMS
             and problem.q_len * problem.group <= MAX_ROWS)
+
+
+def mla_supports(problem) -> bool:
+    """Whether mla.py expresses the problem: absorbed MLA (D 576, Dv 512, one KV head, v_cache k_cache's first
+    512 columns: Problem.v_in_k), decode or verify (4D q), the cache in q's dtype (16-bit), no window and no
+    key mask (the caller checks CUDA, the capability and q's dtype). Any page size: tiles the page geometry
+    gives no TMA box go by cp.async."""
+    return (problem.head_dim == MLA_D and problem.v_head_dim == MLA_DV and problem.num_kv_heads == 1
+            and problem.v_in_k and not problem.packed and problem.q_len <= MAX_VERIFY_LEN
+            and problem.kv_dtype == problem.q_dtype and problem.window_left < 0 and not problem.key_mask)
 
 
 def geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, num_warps: int,
@@ -141,6 +153,23 @@ def extend_geometry(*, d: int, tile_n: int, stages: int) -> dict | None:
     if smem_bytes > SMEM_LIMIT:
         return None
     return dict(d=d, tile_n=tile_n, stages=stages, chunks=d // 8, storage=storage, smem_bytes=smem_bytes)
+
+
+
+
+def mla_geometry(*, tile_n: int, stages: int) -> dict | None:
+    """The MLA kernel's shared memory (mla.py), or None where it does not fit: the Q tile (64 x 576) and
+    `stages` latent tiles of tile_n x 576, 16-bit (`storage`: storage.mla_storage; `smem_bytes` its size).
+    Each tile's rope columns hold its P (64 x tile_n 16-bit) after its scores: tile_n <= 64."""
+    if tile_n not in (32, 64) or stages < 2:
+        return None
+    from .storage import mla_storage
+
+    storage = mla_storage(block_m=MLA_BLOCK_M, d=MLA_D, tile_n=tile_n, stages=stages)
+    smem_bytes = storage.size_in_bytes()
+    if smem_bytes > SMEM_LIMIT:
+        return None
+    return dict(tile_n=tile_n, stages=stages, storage=storage, smem_bytes=smem_bytes)
 
 
 def tma_box(*, page: int, tile_n: int) -> int:
@@ -233,6 +262,37 @@ def _compiled_extend(key):
                     cu_ptr=ptr(Int32), kv_start_ptr=ptr(Int32), sinks_ptr=ptr(Float32), kds_ptr=ptr(Float32),
                     vds_ptr=ptr(Float32), out_ptr=ptr(qt, 2), lse_ptr=ptr(Float32))
     return cute.compile(kernel, *_fake_args(ExtendKernel, pointers))
+
+
+@functools.cache
+def _compiled_mla(key):
+    """The compiled MLA split kernel (mla.py) for one key (s, hq, page, num_splits, block_n, stages, q dtype,
+    causal, use_softcap)."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+    from cutlass.cute.runtime import make_ptr
+
+    from .mla import MlaSplitKernel
+
+    s, hq, page, splits, tile_n, stages, q_dtype, causal, use_softcap = key
+    qt = _cutlass_dtype(q_dtype)
+    kernel = MlaSplitKernel(s=s, hq=hq, page=page, num_splits=splits, tile_n=tile_n, stages=stages, q_dtype=qt,
+                            causal=causal, use_softcap=use_softcap)
+    gmem = cute.AddressSpace.gmem
+
+    def ptr(dt, align=4):
+        return make_ptr(dt, 1 << 20, gmem, assumed_align=align)
+
+    pointers = dict(q_ptr=ptr(qt, 16), k_ptr=ptr(qt, 16), pt_ptr=ptr(Int32), seqlens_ptr=ptr(Int32),
+                    kv_start_ptr=ptr(Int32), sinks_ptr=ptr(Float32), part_o_ptr=ptr(Float32),
+                    part_l_ptr=ptr(Float32), out_ptr=ptr(qt, 2), lse_ptr=ptr(Float32))
+    return cute.compile(kernel, *_fake_args(MlaSplitKernel, pointers))
+
+
+def _mla_key(shapes, plan: dict, options: dict) -> tuple:
+    return (shapes["q_len"], shapes["hq"], shapes["page_size"], plan["num_splits"], plan["block_n"],
+            plan["num_stages"], shapes["q_dtype"], bool(options["causal"]) and shapes["q_len"] > 1,
+            float(options["softcap"]) > 0)
 
 
 def _extend_key(shapes, plan: dict, options: dict) -> tuple:
@@ -339,6 +399,9 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     if mode == "extend":
         _run_extend(tensors, out=out, lse=lse, options=options, plan=plan)
         return
+    if plan["block_m"] == MLA_BLOCK_M:
+        _run_mla(tensors, out=out, lse=lse, scratch=scratch, options=options, plan=plan)
+        return
     from cuda.bindings.driver import CUstream
     from cutlass import Float32, Int32
 
@@ -385,12 +448,66 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
             **triton_decode.merge_launch(hq, v_cache.shape[-1], splits))
 
 
+def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
+    """The MLA split kernel (mla.py) writes each split's partials into `scratch` and the Triton merge kernel
+    combines them (with the sink) into `out` and `lse`; with one split the kernel writes `out` and `lse`. V is read from K's tiles: v_cache must be k_cache's
+    first 512 columns (the same storage, offset and strides), which is checked here (fail closed)."""
+    from cuda.bindings.driver import CUstream
+    from cutlass import Float32, Int32
+
+    from b12x_inductor.kernels.triton import decode as triton_decode
+    from b12x_inductor.kernels.triton import _cache_strides, split_partials
+    from b12x_inductor.validate import v_is_prefix_of_k
+
+    q, k_cache, v_cache, pt = tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["page_table"]
+    layout = options["kv_layout"]
+    if v_cache.shape[-1] != MLA_DV or not v_is_prefix_of_k(k_cache, v_cache):
+        raise ValueError("paged_attention: the cute family's MLA kernel reads V from K's tiles; v_cache must be "
+                         f"k_cache[..., :{MLA_DV}] (the same storage and strides), got v_cache of shape "
+                         f"{tuple(v_cache.shape)} and strides {tuple(v_cache.stride())}")
+    for name in ("k_descale", "v_descale"):
+        if tensors[name] is not None:
+            raise ValueError(f"paged_attention: the cute family's MLA kernel takes a 16-bit cache and no {name}")
+    batch, s, hq, _ = q.shape
+    page, _ = cache_dims(k_cache.shape, layout)
+    _check_aligned("q", q, MLA_D)
+    _check_aligned("k_cache", k_cache, MLA_D)
+    shapes = dict(q_len=s, hq=hq, page_size=page, q_dtype=q.dtype)
+    compiled = _compiled_mla(_mla_key(shapes, plan, options))
+    splits = plan["num_splits"]
+    part_o, part_l = split_partials(scratch, batch * s * hq * splits, MLA_DV) if splits > 1 else (lse, lse)
+    kp, ko, _ = _cache_strides(k_cache.stride(), layout)
+    kv_start, sinks = tensors["kv_start"], tensors["sinks"]
+    softcap = float(options["softcap"])
+    stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    with torch.cuda.device(q.device):
+        from cutlass import Int64
+
+        from .mla import MlaSplitKernel
+
+        compiled(*_launch_args(MlaSplitKernel, dict(
+            q_ptr=_ptr(q, 16), k_ptr=_ptr(k_cache, 16), pt_ptr=_ptr(pt, 4, torch.int32),
+            seqlens_ptr=_ptr(tensors["cache_seqlens"], 4, torch.int32),
+            kv_start_ptr=_ptr(kv_start if kv_start is not None else lse, 4, torch.int32),
+            sinks_ptr=_ptr(sinks if sinks is not None else lse, 4, torch.float32), part_o_ptr=_ptr(part_o, 4),
+            part_l_ptr=_ptr(part_l, 4), out_ptr=_ptr(out, 2), lse_ptr=_ptr(lse, 4), batch=Int32(batch),
+            q_sb=Int64(q.stride(0)), q_ss=Int64(q.stride(1)), q_sh=Int64(q.stride(2)), k_sp=Int64(kp),
+            k_so=Int64(ko), pt_sb=Int64(pt.stride(0)), has_kv_start=Int32(kv_start is not None),
+            has_sinks=Int32(sinks is not None), sm_scale=Float32(float(options["scale"])),
+            softcap=Float32(softcap if softcap > 0 else 1.0), k_pages=Int32(k_cache.shape[0]),
+            max_pages=Int32(pt.shape[1]), stream=stream)))
+        if splits > 1:
+            triton_decode.merge_kernel[(batch * s * hq,)](
+                part_o, part_l, sinks if sinks is not None else lse, out, lse, int(sinks is not None),
+                **triton_decode.merge_launch(hq, MLA_DV, splits))
+
+
 def precompile(problem, plan, options) -> None:
     """Compiles the plan's kernels (decode/verify: also the Triton merge kernel) ahead of any launch."""
     if plan.family != "cute" or problem.device_type != "cuda":
         return
     compile_kernel(problem, plan, options)
-    if plan.mode != "extend":
+    if plan.mode != "extend" and (plan.block_m != MLA_BLOCK_M or plan.num_splits > 1):
         _precompile_merge(problem, plan.num_splits)
 
 
@@ -404,6 +521,8 @@ def compile_kernel(problem, plan, options):
                   batch=problem.batch, packed=problem.packed)
     if plan.mode == "extend":
         return _compiled_extend(_extend_key(shapes, plan.constants(), options))
+    if plan.block_m == MLA_BLOCK_M:
+        return _compiled_mla(_mla_key(shapes, plan.constants(), options))
     return _compiled(_key(shapes, plan.constants(), options))
 
 
@@ -448,9 +567,11 @@ class CuteFamily:
         precompile(problem, plan, options)
 
     def run(self, call) -> None:
-        if call.key_mask is not None or call.v_cache.shape[-1] != call.k_cache.shape[-1]:
+        mla = call.plan.block_m == MLA_BLOCK_M and call.k_cache.shape[-1] == MLA_D
+        if call.key_mask is not None or (call.v_cache.shape[-1] != call.k_cache.shape[-1] and not mla):
             raise ValueError("paged_attention: the cute family takes no key_mask and no value head dim apart from "
-                             "the key's (supports() refuses them; select_plan picks the Triton family)")
+                             "the key's but absorbed MLA's (supports() refuses them; select_plan picks the Triton "
+                             "family)")
         run(call.mode, call.inputs(), out=call.out, lse=call.lse, scratch=call.scratch,
             options=call.options.as_kwargs(), plan=call.plan.constants())
 

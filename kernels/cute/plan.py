@@ -18,6 +18,8 @@ TILE = dict(block_m=1, block_n=64, num_stages=2, num_warps=4)
 MMA_TILE = dict(block_m=16, block_n=128, num_stages=2, num_warps=4)
 MMA_MIN_SPLIT_KEYS = 1024
 CUTE_SPLITS = dict(programs_per_sm=8, max_splits=64)  # the rule the family's decode was measured with
+MLA_TILE = dict(block_m=64, block_n=32, num_stages=4, num_warps=12)  # mla.py: 64 rows, 4 stages of 32 keys
+MLA_SPLITS = dict(programs_per_sm=1, max_splits=128)  # one CTA fits an SM (223 KB of shared memory)
 
 
 def plan(problem: Problem, **tiles) -> Plan:
@@ -25,10 +27,13 @@ def plan(problem: Problem, **tiles) -> Plan:
     themselves: v_from_k=True raises."""
     if tiles.get("v_from_k"):
         raise ValueError("paged_attention: the cute family loads V itself; v_from_k is the Triton family's")
-    return with_tiles(problem, _plan(problem), tiles, always_split=True)
+    mla = problem.v_head_dim != problem.head_dim  # mla.py writes out itself with one split
+    return with_tiles(problem, _plan(problem), tiles, always_split=not mla)
 
 
 def _plan(problem: Problem) -> Plan:
+    if problem.v_head_dim != problem.head_dim:  # absorbed MLA decode/verify (mla.py; supports() admits no other)
+        return mla_plan(problem)
     if problem.mode == "extend":
         return Plan(mode="extend", family="cute", num_splits=1, block_m=128, block_n=128, num_warps=12,
                     num_stages=3 if problem.head_dim > 64 else 4, scratch_bytes=0)
@@ -40,6 +45,15 @@ def _plan(problem: Problem) -> Plan:
     # the split kernel always writes partials and the merge kernel combines them, even for one split
     return Plan(mode=problem.mode, family="cute", num_splits=splits, **tile,
                 scratch_bytes=split_scratch_bytes(problem, splits, always=True))
+
+
+def mla_plan(problem: Problem) -> Plan:
+    """MLA decode/verify (mla.py): one CTA per (request, 64 query rows, split); splits bring the CTAs to about
+    one per SM."""
+    row_blocks = -(-(problem.q_len * problem.num_q_heads) // MLA_TILE["block_m"])
+    splits = triton_num_splits(problem, problem.batch * row_blocks, **MLA_SPLITS)
+    return Plan(mode=problem.mode, family="cute", num_splits=splits, **MLA_TILE,
+                scratch_bytes=split_scratch_bytes(problem, splits))  # one split writes out itself
 
 
 def measured_faster(problem: Problem) -> bool:

@@ -92,3 +92,22 @@ def extend_storage(*, block_m: int, d: int, tile_n: int, stages: int):
         mbar: MemRange[Int64, 3 * stages]
 
     return SharedStorage
+
+
+@functools.cache
+def mla_storage(*, block_m: int, d: int, tile_n: int, stages: int):
+    """mla.py's shared memory: the Q tile (block_m x d), the ring of `stages` latent tiles (tile_n x d; V is
+    the first 512 columns of each, and each tile's last 64 columns, the rope keys, hold the tile's P once its
+    scores are taken), all 16-bit, 1024-byte aligned; 3 x stages mbarriers (only K full and empty are used:
+    common.full_barrier, empty_barrier); each consumer warpgroup's published row maxima and final row sums."""
+    assert tile_n * d * 2 % 1024 == 0, (tile_n, d)
+
+    @cute.struct
+    class SharedStorage:
+        q: Align[MemRange[Uint16, block_m * d], 1024]
+        kv: Align[MemRange[Uint16, stages * tile_n * d], 1024]
+        mbar: MemRange[Int64, 3 * stages]
+        row_max: Align[MemRange[Float32, 2 * block_m], 16]
+        row_sum: Align[MemRange[Float32, 2 * block_m], 16]
+
+    return SharedStorage

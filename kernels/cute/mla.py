@@ -1,0 +1,489 @@
+"""MLA decode and verify in CuTe DSL on Hopper: split-KV over the paged latent cache, with wgmma.
+
+The problem (plan.py's table): one latent KV head, D = 576 (512 latent + 64 rope) for q and k, Dv = 512, V
+the first 512 columns of K (Problem.v_in_k: v_cache is a view of k_cache), so each key's 576 values are read
+once and serve both products. One CTA of three warpgroups takes BLOCK_M = 64 query rows of request b (row r
+of the request's S x Hq: token r // Hq, head r % Hq) and one partition (split) of its keys, grid
+(splits, row blocks, B):
+
+- warpgroup 0, the producer (40 registers after setmaxnreg), loads each tile of TN keys x 576 into a
+  STAGES-deep ring (TN 64 with 2 stages, or 32 with 4: what the shared memory holds beside Q), waiting only
+  on a stage's `empty` mbarrier before reusing it. By TMA (kernels/cute/tma.py: 9 boxes of 64 columns per
+  box row) where the page geometry allows (`tma_box`) and every key of the tile is the request's and visible
+  ([kv_start, length)); by cp.async otherwise, with keys outside that range copied from the nearest visible
+  key (finite values the consumers mask to P = 0), so nothing stale or NaN is ever multiplied.
+- warpgroups 1 and 2, the consumers (232 registers), take turns owning the tiles: consumer c owns tiles
+  c, c + 2, ... Both hold the same 64 rows; consumer c keeps the output columns [256 c, 256 c + 256) in
+  registers (64 x 256 fp32: 128 per thread; all 512 would not fit one warpgroup). For its own tile j the
+  owner computes S = Q K_j^T (wgmma, 64 x TN x 576, Q and K from shared memory), the masks and the online
+  softmax against the running max the other consumer published for tile j - 1, writes P_j (16-bit) into
+  tile j's rope columns (free once S is taken) and its new row maxima, and signals (named barrier
+  PUB_BAR + c). Each consumer then adds P_j V_j for its half of the columns (wgmma, P and V from shared
+  memory, V read N-major from the same tile), for its own tiles and, once signalled, for the other's.
+  Rescaling: the row maxima form one sequence m_0, m_1, ... over the tiles, which both consumers follow
+  (each reads the other's), so both rescale O and their partial row sums by the same exp2(m_{j-1} - m_j)
+  at every tile; the row sum is the two partial sums added at the end.
+- Per own tile j the owner issues S_j before it waits for tile j - 1's P (the other's softmax), so one
+  consumer's scores run on the tensor cores while the other's softmax runs. A stage is released (every
+  consumer thread arrives on its `empty` barrier) once both consumers' P V of it are complete.
+
+Shared-memory tiles use the 128-byte swizzle wgmma reads: a tile of rows x 576 is 9 slabs of rows x 128
+bytes, 16-byte chunk c of row r at chunk position c ^ (r % 8) (as extend.py); the MMAs read the same bytes
+through `sm90_utils.make_smem_layout_a/b`, the V and P views with the ring's stage stride.
+
+With several splits every CTA writes its normalized partial output and log2-sum-exp in the layout of the Triton
+family's scratch ([rows, splits, 512] and [rows, splits]) and the Triton merge kernel combines the splits with
+the sink into `out` and `lse`; with one split the CTA writes `out` and `lse` itself (no scratch, no merge). The split's key range is computed on the device from the live length (clamped:
+`live_range`, page ids by `PageRow`), so one compiled kernel serves every length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from b12x_inductor.kernels.cute import MLA_BLOCK_M as BLOCK_M
+from b12x_inductor.kernels.cute import MLA_D as D
+from b12x_inductor.kernels.cute import MLA_DV as DV
+from b12x_inductor.kernels.cute import mla_geometry, tma, tma_box
+from b12x_inductor.kernels.cute.common import (LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier, live_range,
+                                               release_phase, stage_phase)
+from b12x_inductor.kernels.cute.softmax import online_softmax
+
+LN2 = 0.6931471805599453
+THREADS = 384  # producer warpgroup + two consumer warpgroups
+HALF = DV // 2  # output columns per consumer warpgroup
+SLABS = D // 64  # 128-byte slabs of a 576-wide row (the last one: the rope keys, then P)
+CHUNKS = D // 8  # 16-byte chunks of a row
+PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 x 40 + 256 x 232 <= 65536
+PUB_BAR = 3  # 3, 4: consumer c has published its tile's P and row maxima (its 128 threads arrive, the other syncs)
+OWN_BAR = 5  # 5, 6: consumer c's own P writes are complete (its 128 threads)
+Q_BAR = 7  # the Q tile is in shared memory (both consumers)
+SUM_BAR = 8  # the partial row sums are exchanged (both consumers)
+
+
+class MlaSplitKernel:
+    """The MLA split kernel for one set of compile-time constants (see `mla_geometry` in __init__.py)."""
+
+    def __init__(self, *, s: int, hq: int, page: int, num_splits: int, tile_n: int, stages: int, q_dtype,
+                 causal: bool, use_softcap: bool):
+        self.s, self.hq, self.page, self.num_splits = s, hq, page, num_splits
+        self.tile_n, self.stages, self.dtype = tile_n, stages, q_dtype
+        self.causal, self.use_softcap = causal, use_softcap
+        geo = mla_geometry(tile_n=tile_n, stages=stages)
+        assert geo is not None, "the plan's tile does not fit this kernel (kernels/cute/__init__.py: mla_geometry)"
+        self.storage, self.smem_bytes = geo["storage"], geo["smem_bytes"]  # kernels/cute/storage.py: mla_storage
+        self.rows = s * hq  # query rows of one request
+        self.row_blocks = -(-self.rows // BLOCK_M)
+        self.box = tma_box(page=page, tile_n=tile_n)
+
+    @cute.jit
+    def __call__(
+        self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, pt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
+        kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
+        out_ptr: cute.Pointer, lse_ptr: cute.Pointer, batch: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64,
+        k_sp: Int64, k_so: Int64, pt_sb: Int64, has_kv_start: Int32, has_sinks: Int32, sm_scale: Float32,
+        softcap: Float32, k_pages: Int32, max_pages: Int32, stream,
+    ):
+        tma_k, m_k = None, None
+        if const_expr(self.box != 0):
+            tma_k, m_k = tma.cache_tma(k_ptr, k_pages, k_sp, k_so, k_so, page=self.page, d=D, hkv=1, box=self.box)
+        self.kernel(
+            q_ptr, k_ptr, pt_ptr, seqlens_ptr, kv_start_ptr, sinks_ptr, part_o_ptr, part_l_ptr, out_ptr, lse_ptr,
+            q_sb, q_ss, q_sh, k_sp, k_so, pt_sb, has_kv_start, has_sinks, sm_scale, softcap, max_pages * self.page,
+            k_pages, tma_k, m_k,
+        ).launch(grid=(self.num_splits, self.row_blocks, batch), block=(THREADS, 1, 1), smem=self.smem_bytes,
+                 stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(
+        self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, pt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
+        kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
+        out_ptr: cute.Pointer, lse_ptr: cute.Pointer, q_sb: Int64, q_ss: Int64, q_sh: Int64, k_sp: Int64,
+        k_so: Int64, pt_sb: Int64, has_kv_start: Int32, has_sinks: Int32, sm_scale: Float32, softcap: Float32,
+        cap: Int32, num_pages: Int32, tma_k: cute.CopyAtom, m_k: cute.Tensor,
+    ):
+        storage = cutlass.utils.SmemAllocator().allocate(self.storage)  # kernels/cute/storage.py: mla_storage
+        tidx, _, _ = cute.arch.thread_idx()
+        split, rb, b = cute.arch.block_idx()
+        wg = tidx // 128
+        BN = const_expr(self.tile_n)
+        NS = const_expr(self.stages)
+        STAGE = const_expr(BN * D)  # elements of one ring stage
+        dt = self.dtype
+
+        mbar = storage.mbar.data_ptr()  # K full, (unused), empty: full_barrier, empty_barrier
+        q_tile = cute.recast_ptr(storage.q.data_ptr(), dtype=dt)
+        ring = cute.recast_ptr(storage.kv.data_ptr(), dtype=dt)
+
+        if tidx == 0:
+            for i in cutlass.range_constexpr(NS):
+                cute.arch.mbarrier_init(full_barrier(mbar, NS, 0, i), 128)  # every producer thread arrives
+                cute.arch.mbarrier_init(empty_barrier(mbar, NS, i), 256)  # every consumer thread arrives
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        # ---- the split's key range, from the live length (device-side) ----
+        length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
+        lo = start - start % BN  # tiles start on a tile (and TMA box) boundary; keys below start are masked
+        span = cutlass.max(length - lo, Int32(0))
+        per_split = (span + self.num_splits - 1) // self.num_splits
+        chunk = (per_split + BN - 1) // BN * BN
+        s_lo = lo + split * chunk
+        s_hi = cutlass.min(s_lo + chunk, length)
+        n_tiles = cutlass.max((s_hi - s_lo + BN - 1) // BN, Int32(0))
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self._produce(tidx, b, s_lo, start, length, n_tiles, k_ptr, pt_ptr, k_sp, k_so, pt_sb, num_pages, ring,
+                          mbar, tma_k, m_k)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            ctid = tidx - 128
+            wgc = wg - 1
+            lt = tidx % 128
+            self._load_q(q_ptr, b, rb, q_sb, q_ss, q_sh, ctid, q_tile)
+
+            # ---- the operands' shared-memory views ----
+            lq = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, BN, D), dt, 1)
+            lk = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, BN, D), dt, NS)
+            lp = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, HALF, BN), dt, 1)
+            lv = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BLOCK_M, HALF, BN), dt, 1)
+            sQ = cute.make_tensor(cute.recast_ptr(q_tile, lq.inner, dtype=dt), lq.outer)
+            sK = cute.make_tensor(cute.recast_ptr(ring, lk.inner, dtype=dt), lk.outer)
+            # P in each stage's rope slab, V (this consumer's 256 columns: slabs 4c .. 4c + 3) in its first 512
+            # columns: the single-stage layouts with the ring's stage stride
+            sP = cute.make_tensor(cute.recast_ptr(ring + (SLABS - 1) * BN * 64, lp.inner, dtype=dt),
+                                  _with_stage_stride(lp.outer, NS, STAGE))
+            v_base = ring + wgc * (HALF // 64) * BN * 64
+            sV = cute.make_tensor(cute.recast_ptr(v_base, lv.inner, dtype=dt), _with_stage_stride(lv.outer, NS, STAGE))
+
+            mma_qk = self._mma_qk()
+            mma_pv = self._mma_pv()
+            thr_qk = mma_qk.get_slice(lt)
+            thr_pv = mma_pv.get_slice(lt)
+            tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+            tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+            tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
+            tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+            acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((BLOCK_M, BN)))
+            acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, HALF)))
+            t_cs = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, BN)))
+            t_co = thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, HALF)))
+            r_p = cute.make_rmem_tensor(acc_s.layout, dt)
+            acc_o.fill(0.0)
+            m_run = cute.make_rmem_tensor((2,), Float32)
+            l_run = cute.make_rmem_tensor((2,), Float32)
+            alpha = cute.make_rmem_tensor((2,), Float32)
+            limit = cute.make_rmem_tensor((2,), Int32)  # causal limits of this thread's two rows
+            for i in cutlass.range_constexpr(2):
+                m_run[i] = Float32(NEG_BIG)
+                l_run[i] = Float32(0.0)
+                limit[i] = length - self.s + (rb * BLOCK_M + t_cs[2 * i][0]) // self.hq
+            sM = storage.row_max.get_tensor(cute.make_layout((2, BLOCK_M), stride=(BLOCK_M, 1)))
+            k_scale = sm_scale * Float32(LOG2E)
+            full_hi = s_hi
+            if const_expr(self.causal):
+                full_hi = cutlass.min(full_hi, length - self.s + 1)
+
+            n_own = (n_tiles - wgc + 1) // 2
+            for i in cutlass.range(n_own, unroll=1):
+                j = 2 * i + wgc
+                stage = j % NS
+                # this consumer's P V of its previous tile j - 2 done: that stage released before tile j is
+                # waited for (with 2 stages tile j is loaded into it)
+                warpgroup.wait_group(0)
+                if j >= 2:
+                    cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (j - 2) % NS))
+                # S_j = Q K_j^T, in flight while the other consumer's tile j - 1 is taken in
+                cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), stage_phase(j, NS))
+                cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
+                warpgroup.fence()
+                self._scores(acc_s, tSrQ, tSrK, stage)
+                if j >= 1:
+                    self._take_other(j - 1, wgc, acc_o, m_run, l_run, alpha, t_co, sM, tOrP, tOrV, mbar)
+                    warpgroup.wait_group(1)  # S_j done (P V of tile j - 1 may run on)
+                else:
+                    warpgroup.wait_group(0)
+                online_softmax(acc_s, t_cs, m_run, l_run, alpha, limit, s_lo + j * BN, s_hi, start, start, full_hi,
+                               k_scale, softcap, Int32(0), tile_n=BN, causal=self.causal, use_window=False,
+                               use_softcap=self.use_softcap)
+                # publish P_j (into the tile's rope slab: S_j, its last reader, is done) and the new row maxima
+                r_p.store(acc_s.load().to(dt))
+                t_sp = thr_qk.partition_C(sP[None, None, stage])
+                cute.autovec_copy(r_p, t_sp)
+                if lt % 4 == 0:
+                    for rh in cutlass.range_constexpr(2):
+                        sM[wgc, t_cs[2 * rh][0]] = m_run[rh]
+                cute.arch.fence_proxy("async.shared", space="cta")  # P writes -> the wgmma reads of both consumers
+                cute.arch.barrier(barrier_id=OWN_BAR + wgc, number_of_threads=128)
+                cute.arch.barrier_arrive(barrier_id=PUB_BAR + wgc, number_of_threads=256)
+                # O to m_j, then O += P_j V_j (P V of tile j - 1 first: it reads O too)
+                warpgroup.wait_group(0)
+                if j >= 1:
+                    cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (j - 1) % NS))
+                for e in cutlass.range_constexpr(cute.size(acc_o)):
+                    acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
+                warpgroup.fence()
+                self._pv(acc_o, tOrP, tOrV, stage)
+            if n_tiles >= 1:
+                if (n_tiles - 1) % 2 != wgc:  # the other consumer owns the last tile
+                    warpgroup.wait_group(0)  # this consumer's last P V (O is rescaled next)
+                    self._take_other(n_tiles - 1, wgc, acc_o, m_run, l_run, alpha, t_co, sM, tOrP, tOrV, mbar)
+            warpgroup.wait_group(0)
+
+            self._epilogue(acc_o, t_co, m_run, l_run, storage, b, rb, split, wgc, lt, sinks_ptr, has_sinks,
+                           part_o_ptr, part_l_ptr, out_ptr, lse_ptr)
+
+    @cute.jit
+    def _take_other(self, j: Int32, wgc: Int32, acc_o: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor,
+                    alpha: cute.Tensor, t_co: cute.Tensor, sM: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
+                    mbar: cute.Pointer):
+        """Tile j, the other consumer's (this consumer's P V in flight are done): waits for the other's P_j and
+        row maxima, rescales O and the partial row sums to them and issues O += P_j V_j."""
+        NS = const_expr(self.stages)
+        cute.arch.barrier(barrier_id=PUB_BAR + 1 - wgc, number_of_threads=256)
+        stage = j % NS
+        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), stage_phase(j, NS))
+        for rh in cutlass.range_constexpr(2):
+            m_new = sM[1 - wgc, t_co[2 * rh][0]]
+            alpha[rh] = cute.arch.exp2(m_run[rh] - m_new)
+            m_run[rh] = m_new
+            l_run[rh] = l_run[rh] * alpha[rh]
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
+        warpgroup.fence()
+        self._pv(acc_o, tOrP, tOrV, stage)
+
+    @cute.jit
+    def _epilogue(self, acc_o: cute.Tensor, t_co: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, storage,
+                  b: Int32, rb: Int32, split: Int32, wgc: Int32, lt: Int32, sinks_ptr: cute.Pointer,
+                  has_sinks: Int32, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer, out_ptr: cute.Pointer,
+                  lse_ptr: cute.Pointer):
+        """The row sums (this consumer's partial sums, reduced over the quad, plus the other's), then this
+        consumer's 256 columns of each row. Several splits: the normalized partial output and (consumer 0) the
+        row's log2-sum-exp in the merge kernel's layout, row (b * S + token) * Hq + head, then split. One split:
+        the output itself (out [B, S, Hq, 512] in q's dtype) and lse (natural log), with the sink folded into
+        the denominator as the merge kernel folds it; zeros and -inf for a row that saw no key."""
+        sL = storage.row_sum.get_tensor(cute.make_layout((2, BLOCK_M), stride=(BLOCK_M, 1)))
+        for rh in cutlass.range_constexpr(2):
+            l_r = l_run[rh]
+            l_r = l_r + cute.arch.shuffle_sync_bfly(l_r, offset=1)
+            l_r = l_r + cute.arch.shuffle_sync_bfly(l_r, offset=2)
+            l_run[rh] = l_r
+            if lt % 4 == 0:
+                sL[wgc, t_co[2 * rh][0]] = l_r
+        cute.arch.barrier(barrier_id=SUM_BAR, number_of_threads=256)
+        ONE = const_expr(self.num_splits == 1)
+        out_rows = cute.make_tensor(part_o_ptr, cute.make_layout((1 << 40,)))
+        lses = cute.make_tensor(part_l_ptr, cute.make_layout((1 << 40,)))
+        if const_expr(ONE):
+            out_rows = cute.make_tensor(out_ptr, cute.make_layout((1 << 40,)))
+            lses = cute.make_tensor(lse_ptr, cute.make_layout((1 << 40,)))
+        NO_ELEMS = const_expr(cute.size(acc_o))
+        for rh in cutlass.range_constexpr(2):
+            row = t_co[2 * rh][0]
+            r = rb * BLOCK_M + row
+            l_r = l_run[rh] + sL[1 - wgc, row]
+            m_r = m_run[rh]
+            seen = l_r > Float32(0.0)
+            f = Float32(0.0)
+            lse = Float32(-math.inf)
+            if const_expr(ONE):
+                sink = Float32(NEG_BIG)
+                if has_sinks != 0:
+                    sinks = cute.make_tensor(sinks_ptr, cute.make_layout((1 << 30,)))
+                    sink = Float32(sinks[r % self.hq]) * Float32(LOG2E)
+                m_f = cutlass.max(m_r, sink)
+                if seen:
+                    l_f = l_r * cute.arch.exp2(m_r - m_f) + cute.arch.exp2(sink - m_f)
+                    f = cute.arch.exp2(m_r - m_f) / l_f
+                    lse = (m_f + cute.math.log2(l_f)) * Float32(LN2)
+            else:
+                if seen:
+                    f = Float32(1.0) / l_r
+                    lse = m_r + cute.math.log2(l_r)
+            if r < self.rows:
+                part = Int64(b) * self.rows + Int64(r)
+                if const_expr(not ONE):
+                    part = part * self.num_splits + Int64(split)
+                base = part * DV + wgc * HALF
+                for e in cutlass.range_constexpr(NO_ELEMS):
+                    if const_expr((e // 2) % 2 == rh):
+                        if const_expr(ONE):
+                            out_rows[base + Int64(t_co[e][1])] = (acc_o[e] * f).to(self.dtype)
+                        else:
+                            out_rows[base + Int64(t_co[e][1])] = acc_o[e] * f
+                if (wgc == 0) & (lt % 4 == 0):
+                    lses[part] = lse
+
+    @cute.jit
+    def _load_q(self, q_ptr: cute.Pointer, b: Int32, rb: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64, ctid: Int32,
+                q_tile: cute.Pointer):
+        """The CTA's 64 query rows -> shared memory by cp.async (both consumers; zeros past the request's rows),
+        then a barrier of both consumers: Q is in place for their wgmma."""
+        dt = self.dtype
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
+                                   num_bits_per_copy=128)
+        wQ = _chunks_view(q_tile, BLOCK_M, 1)
+        q_base = q_ptr.toint() + Int64(b) * q_sb * 2
+        for i in cutlass.range_constexpr(BLOCK_M * CHUNKS // 256):
+            e = ctid + i * 256
+            row = e // CHUNKS
+            ch = e % CHUNKS
+            dst = _chunk(wQ[0, None, None, None, None, None], row, ch)
+            r = rb * BLOCK_M + row
+            if r < self.rows:
+                src_addr = q_base + (Int64(r // self.hq) * q_ss + Int64(r % self.hq) * q_sh + ch * 8) * 2
+                src = cute.make_tensor(cute.make_ptr(dt, src_addr, cute.AddressSpace.gmem, assumed_align=16),
+                                       cute.make_layout((8,)))
+                cute.copy(atom, src, dst)
+            else:
+                for k in cutlass.range_constexpr(8):
+                    dst[k] = dt(0.0)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=Q_BAR, number_of_threads=256)
+
+    def _mma_qk(self):
+        """S = Q K^T: one warpgroup of 64 rows, Q and K from shared memory (both K-major)."""
+        kmaj = warpgroup.OperandMajorMode.K
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, kmaj, kmaj, Float32, (1, 1, 1),
+                                                 (64, self.tile_n))
+
+    def _mma_pv(self):
+        """O += P V for one consumer's 256 columns: P from shared memory (K-major), V read N-major."""
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, warpgroup.OperandMajorMode.K,
+                                                 warpgroup.OperandMajorMode.MN, Float32, (1, 1, 1), (64, HALF))
+
+    @cute.jit
+    def _scores(self, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor, stage: Int32):
+        """Issues S = Q K^T of the tile in `stage` (36 wgmma k-steps, one commit group). The tiled MMA is made
+        here: its accumulate flag is traced state that must not cross a control-flow region."""
+        mma_qk = self._mma_qk()
+        for k in cutlass.range_constexpr(D // 16):
+            mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(mma_qk, acc_s, tSrQ[None, None, k, 0], tSrK[None, None, k, stage], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _pv(self, acc_o: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor, stage: Int32):
+        """Issues O += P V with P and V from the tile in `stage` (one commit group)."""
+        mma_pv = self._mma_pv()
+        mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(self.tile_n // 16):
+            cute.gemm(mma_pv, acc_o, tOrP[None, None, k, stage], tOrV[None, None, k, stage], acc_o)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _produce(self, tidx: Int32, b: Int32, s_lo: Int32, start: Int32, length: Int32, n_tiles: Int32,
+                 k_ptr: cute.Pointer, pt_ptr: cute.Pointer, k_sp: Int64, k_so: Int64, pt_sb: Int64, num_pages: Int32,
+                 ring: cute.Pointer, mbar: cute.Pointer, tma_k, m_k):
+        """The producer warpgroup: each tile into the ring; the stage's full mbarrier (128 arrivals) completes
+        when the copies land, so the producer never waits for its own loads, only for a stage to be released.
+        A tile whose keys are all visible ([kv_start, length)) goes by TMA where the page geometry allows
+        (`tma_box`; tiles start on a box boundary), any other by cp.async."""
+        BN = const_expr(self.tile_n)
+        NS = const_expr(self.stages)
+        BOX = const_expr(self.box)
+        if const_expr(BOX != 0):
+            if tidx == 0:
+                cpasync.prefetch_descriptor(tma_k)
+        for it in cutlass.range(n_tiles, unroll=1):
+            stage = it % NS
+            if it >= NS:
+                cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), release_phase(it, NS))
+            j0 = s_lo + it * BN
+            if const_expr(BOX != 0):
+                if (j0 >= start) & (j0 + BN <= length):
+                    self._tma_tile(tidx, b, j0, stage, pt_ptr, pt_sb, num_pages, mbar, ring, tma_k, m_k)
+                else:
+                    self._cp_async_tile(tidx, b, j0, start, length, stage, k_ptr, pt_ptr, k_sp, k_so, pt_sb,
+                                        num_pages, ring, mbar)
+            else:
+                self._cp_async_tile(tidx, b, j0, start, length, stage, k_ptr, pt_ptr, k_sp, k_so, pt_sb, num_pages,
+                                    ring, mbar)
+
+    @cute.jit
+    def _tma_tile(self, tidx: Int32, b: Int32, j0: Int32, stage: Int32, pt_ptr: cute.Pointer, pt_sb: Int64,
+                  num_pages: Int32, mbar: cute.Pointer, ring: cute.Pointer, tma_k, m_k):
+        """One tile by TMA (keys j0 .. j0 + TN, all visible): box row r (keys j0 + r x BOX ..., one page) goes to
+        warp r % 4, which issues its 9 slabs (a TMA copy is issued by one elected lane, with warp-uniform
+        coordinates: the page id is read by lane r // 4 and shuffled). Thread 0 arrives with the tile's byte
+        count (expect-tx), the 127 others plainly."""
+        BN = const_expr(self.tile_n)
+        BOX = const_expr(self.box)
+        NS = const_expr(self.stages)
+        BOX_ROWS = const_expr(BN // BOX)
+        warp = tidx // 32
+        lane = tidx % 32
+        page = Int32(0)
+        if (warp + 4 * lane < BOX_ROWS) & (lane < (BOX_ROWS + 3) // 4):
+            page = tma.box_page(PageRow(pt_ptr, pt_sb, b, num_pages), j0, self.page, BOX, warp + 4 * lane)
+        bar = full_barrier(mbar, NS, 0, stage)
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, BN * D * 2)
+        else:
+            cute.arch.mbarrier_arrive(bar)
+        for i in cutlass.range_constexpr((BOX_ROWS + 3) // 4):
+            if warp + 4 * i < BOX_ROWS:
+                rbox = warp + 4 * i
+                p = cute.arch.shuffle_sync(page, i)
+                for sl in cutlass.range_constexpr(SLABS):
+                    dst = ring + (stage * BN * D + sl * BN * 64 + rbox * BOX * 64)
+                    tma.copy_box(tma_k, m_k, dst, BOX, j0, self.page, sl, Int32(0), p, bar)
+
+    @cute.jit
+    def _cp_async_tile(self, tidx: Int32, b: Int32, j0: Int32, start: Int32, length: Int32, stage: Int32,
+                       k_ptr: cute.Pointer, pt_ptr: cute.Pointer, k_sp: Int64, k_so: Int64, pt_sb: Int64,
+                       num_pages: Int32, ring: cute.Pointer, mbar: cute.Pointer):
+        """One tile by cp.async (16-byte chunks, 36 or 18 per thread), then this thread's
+        cp.async.mbarrier.arrive on the stage's full mbarrier. Keys outside [kv_start, length) copy the nearest
+        visible one (finite; the consumers mask them to P = 0)."""
+        BN = const_expr(self.tile_n)
+        NS = const_expr(self.stages)
+        dt = self.dtype
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
+                                   num_bits_per_copy=128)
+        pt_row = PageRow(pt_ptr, pt_sb, b, num_pages)
+        wK = _chunks_view(ring, BN, NS)
+        first = Uint32(start)
+        last = Uint32(length - 1)
+        k_base = k_ptr.toint()
+        for i in cutlass.range(BN * CHUNKS // 128, unroll=4):
+            e = tidx + i * 128
+            row = e // CHUNKS
+            ch = e % CHUNKS
+            j = cutlass.min(cutlass.max(Uint32(j0 + row), first), last)
+            page = Int64(Uint32(pt_row[j // self.page]))
+            src = cute.make_tensor(cute.make_ptr(dt, k_base + page * k_sp * 2 + Int64(j % self.page) * k_so * 2
+                                                 + ch * 16, cute.AddressSpace.gmem, assumed_align=16),
+                                   cute.make_layout((8,)))
+            cute.copy(atom, src, _chunk(wK[stage, None, None, None, None, None], row, ch))
+        cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier(mbar, NS, 0, stage))
+
+
+def _with_stage_stride(layout, stages: int, stride: int):
+    """A single-stage operand layout ((...), (...), (1, 1)) with its stage mode replaced by `stages` stages
+    `stride` elements apart (the ring's stage stride, not the operand's own size)."""
+    shape, strides = layout.shape, layout.stride
+    return cute.make_layout((shape[0], shape[1], (1, stages)), stride=(strides[0], strides[1], (0, stride)))
+
+
+def _chunks_view(ptr, rows: int, stages: int):
+    """(stage, slab, row // 8, row % 8, chunk position, 8 elements) of `stages` swizzled rows x 576 tiles."""
+    return cute.make_tensor(ptr, cute.make_layout((stages, SLABS, rows // 8, 8, 8, 8),
+                                                  stride=(rows * D, rows * 64, 512, 64, 8, 1)))
+
+
+@cute.jit
+def _chunk(base: cute.Tensor, row: Int32, ch: Int32):
+    """The 16-byte chunk `ch` of row `row` of a swizzled rows x 576 tile (see the module docstring)."""
+    return base[ch // 8, row // 8, row % 8, (ch % 8) ^ (row % 8), None]
