@@ -426,7 +426,7 @@ def _cute_mla_case(kw, options):
 # TMA) non-causal; 8 drafts of 16 heads (two row blocks whose causal limits differ). Unused slots are NaN.
 MLA_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES
              if _cute_mla_case(c[1], c[2] if len(c) > 2 else {})] + [
-    ("mla_verify_s2_h128_features_p128", dict(MLA, batch=3, q_len=2, hq=128, page_size=128, lens=[700, 2, 130],
+    ("mla_verify_s2_h128_features_p128", dict(MLA, batch=3, q_len=2, hq=128, page_size=128, lens=[700, 9, 130],
                                               kv_start=True, sinks=True, nan_unused=True),
      dict(softcap=20.0, scale=0.05)),
     ("mla_decode_h16_hnd_fp16_p16", dict(MLA, batch=2, hq=16, page_size=16, lens=[333, 1000], kv_layout="HND",

@@ -109,6 +109,16 @@ def table_cute() -> str:
         _row("bf16 extend D=64 8192:1024", batch=1, q_len=1024, max_pages=512, head_dim=64, **H200),
         _row("bf16 extend D=256", batch=2, q_len=512, max_pages=64, head_dim=256, **H200),
         _row("fp8 extend 1x16384", batch=1, q_len=16384, max_pages=1024, kv_dtype=f8, **H200),
+        # absorbed MLA (mla.py): decode/verify with pages that go by TMA; page 1, float8, extend: Triton
+        _row("mla H128 decode 32x4096", batch=32, q_len=1, max_pages=64, **MLA, num_q_heads=128, **H200),
+        _row("mla H128 decode 64x4096", batch=64, q_len=1, max_pages=64, **MLA, num_q_heads=128, **H200),
+        _row("mla H128 decode 1x32768", batch=1, q_len=1, max_pages=512, **MLA, num_q_heads=128, **H200),
+        _row("mla H16 decode 1x32768", batch=1, q_len=1, max_pages=512, **MLA, num_q_heads=16, **H200),
+        _row("mla H16 verify 32x4096", batch=32, q_len=4, max_pages=64, **MLA, num_q_heads=16, **H200),
+        _row("mla H16 decode page 1", batch=32, q_len=1, max_pages=4096, **{**MLA, "page_size": 1},
+             num_q_heads=16, **H200),
+        _row("mla H16 decode fp8", batch=32, q_len=1, max_pages=64, **MLA, num_q_heads=16, kv_dtype=f8, **H200),
+        _row("mla H128 extend 2x512", batch=2, q_len=512, max_pages=16, **MLA, num_q_heads=128, **H200),
     ]
     return "\n".join(rows)
 
@@ -207,7 +217,15 @@ bf16 extend 1x16384          extend  cute   splits=1   m=128 n=128 warps=12 stag
 bf16 packed T=16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
 bf16 extend D=64 8192:1024   extend  cute   splits=1   m=128 n=128 warps=12 stages=4 scratch=0
 bf16 extend D=256            extend  triton splits=1   m=128 n=64  warps=8 stages=2 scratch=0
-fp8 extend 1x16384           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0""")
+fp8 extend 1x16384           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
+mla H128 decode 32x4096      decode  cute   splits=2   m=64  n=32  warps=12 stages=4 scratch=16809984
+mla H128 decode 64x4096      decode  cute   splits=1   m=64  n=32  warps=12 stages=4 scratch=0
+mla H128 decode 1x32768      decode  cute   splits=64  m=64  n=32  warps=12 stages=4 scratch=16809984
+mla H16 decode 1x32768       decode  cute   splits=128 m=64  n=32  warps=12 stages=4 scratch=4202496
+mla H16 verify 32x4096       verify  cute   splits=4   m=64  n=32  warps=12 stages=4 scratch=16809984
+mla H16 decode page 1        decode  triton splits=8   m=16  n=32  warps=4 stages=2 scratch=8404992 v_from_k
+mla H16 decode fp8           decode  triton splits=8   m=16  n=32  warps=4 stages=2 scratch=8404992 v_from_k
+mla H128 extend 2x512        extend  triton splits=1   m=32  n=16  warps=8 stages=2 scratch=0""")
 
     def test_modes_from_static_shapes(self):
         def mode(q_len, packed=False):

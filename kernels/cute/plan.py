@@ -58,9 +58,15 @@ def mla_plan(problem: Problem) -> Plan:
 
 def measured_faster(problem: Problem) -> bool:
     """Where the CuTe family measured faster than Triton on the H200 (h200.md, "CuTe DSL kernels"): extend,
-    wherever the family expresses it (`supports`), and decode from a float8 cache with D = 128 and at most 4
-    query heads per KV head. bf16 decode and verify stay on Triton (whose products run on tensor cores), as
-    do the decode configurations never measured (other head dims, larger groups)."""
+    wherever the family expresses it (`supports`); absorbed MLA decode/verify (mla.py, a 16-bit cache) with
+    pages whose tiles go by TMA (the pages of 64 keys it was measured with; pages of 1 to 7 keys and others
+    without a box stay on Triton, unmeasured); and decode from a float8 cache with D = 128 and at most 4 query
+    heads per KV head. Other bf16 decode and verify stay on Triton (whose products run on tensor cores), as do
+    the decode configurations never measured (other head dims, larger groups)."""
     if problem.mode == "extend":
         return True
+    if problem.v_head_dim != problem.head_dim:  # MLA (mla.py): measured with pages of 64 keys (TMA boxes)
+        from b12x_inductor.kernels.cute import tma_box
+
+        return tma_box(page=problem.page_size, tile_n=MLA_TILE["block_n"]) != 0
     return problem.mode == "decode" and problem.kv_dtype == FP8 and problem.head_dim == 128 and problem.group <= 4
