@@ -66,6 +66,7 @@ PUB_BAR = 3  # 3, 4: consumer c has published its tile's P and row maxima (its 1
 OWN_BAR = 5  # 5, 6: consumer c's own P writes are complete (its 128 threads)
 Q_BAR = 7  # the Q tile is in shared memory (both consumers)
 SUM_BAR = 8  # the partial row sums are exchanged (both consumers)
+RESCALE_LOG2 = 8.0  # the running max moves only by more than 2^8 (online_softmax): O is rarely rescaled
 
 
 class MlaSplitKernel:
@@ -196,24 +197,28 @@ class MlaSplitKernel:
             for i in cutlass.range(n_own, unroll=1):
                 j = 2 * i + wgc
                 stage = j % NS
-                # this consumer's P V of its previous tile j - 2 done: that stage released before tile j is
-                # waited for (with 2 stages tile j is loaded into it)
-                warpgroup.wait_group(0)
-                if j >= 2:
-                    cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (j - 2) % NS))
+                if const_expr(NS == 2):
+                    # tile j goes into tile j - 2's stage: this consumer's P V of it done and the stage released
+                    # before tile j is waited for
+                    warpgroup.wait_group(0)
+                    if j >= 2:
+                        cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (j - 2) % NS))
                 # S_j = Q K_j^T, in flight while the other consumer's tile j - 1 is taken in
                 cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), stage_phase(j, NS))
                 cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
                 warpgroup.fence()
                 self._scores(acc_s, tSrQ, tSrK, stage)
                 if j >= 1:
-                    self._take_other(j - 1, wgc, acc_o, m_run, l_run, alpha, t_co, sM, tOrP, tOrV, mbar)
-                    warpgroup.wait_group(1)  # S_j done (P V of tile j - 1 may run on)
+                    self._take_other(j - 1, wgc, acc_o, m_run, l_run, alpha, t_co, sM, tOrP, tOrV, mbar, 1)
+                    warpgroup.wait_group(1)  # S_j done (P V of tile j - 1 may run on), and all before it
                 else:
                     warpgroup.wait_group(0)
+                if const_expr(NS > 2):
+                    if j >= 2:  # P V of tile j - 2 done (commit groups complete in order): its stage released
+                        cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (j - 2) % NS))
                 online_softmax(acc_s, t_cs, m_run, l_run, alpha, limit, s_lo + j * BN, s_hi, start, start, full_hi,
                                k_scale, softcap, Int32(0), tile_n=BN, causal=self.causal, use_window=False,
-                               use_softcap=self.use_softcap)
+                               use_softcap=self.use_softcap, rescale_log2=RESCALE_LOG2)
                 # publish P_j (into the tile's rope slab: S_j, its last reader, is done) and the new row maxima
                 r_p.store(acc_s.load().to(dt))
                 t_sp = thr_qk.partition_C(sP[None, None, stage])
@@ -228,14 +233,12 @@ class MlaSplitKernel:
                 warpgroup.wait_group(0)
                 if j >= 1:
                     cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (j - 1) % NS))
-                for e in cutlass.range_constexpr(cute.size(acc_o)):
-                    acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
+                _rescale(acc_o, alpha)
                 warpgroup.fence()
                 self._pv(acc_o, tOrP, tOrV, stage)
             if n_tiles >= 1:
                 if (n_tiles - 1) % 2 != wgc:  # the other consumer owns the last tile
-                    warpgroup.wait_group(0)  # this consumer's last P V (O is rescaled next)
-                    self._take_other(n_tiles - 1, wgc, acc_o, m_run, l_run, alpha, t_co, sM, tOrP, tOrV, mbar)
+                    self._take_other(n_tiles - 1, wgc, acc_o, m_run, l_run, alpha, t_co, sM, tOrP, tOrV, mbar, 0)
             warpgroup.wait_group(0)
 
             self._epilogue(acc_o, t_co, m_run, l_run, storage, b, rb, split, wgc, lt, sinks_ptr, has_sinks,
@@ -244,9 +247,10 @@ class MlaSplitKernel:
     @cute.jit
     def _take_other(self, j: Int32, wgc: Int32, acc_o: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor,
                     alpha: cute.Tensor, t_co: cute.Tensor, sM: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
-                    mbar: cute.Pointer):
-        """Tile j, the other consumer's (this consumer's P V in flight are done): waits for the other's P_j and
-        row maxima, rescales O and the partial row sums to them and issues O += P_j V_j."""
+                    mbar: cute.Pointer, in_flight: cutlass.Constexpr):
+        """Tile j, the other consumer's: waits for the other's P_j and row maxima, rescales the partial row sums
+        and (where a row's max moved: after this consumer's last P V, which wrote O, is done; `in_flight`
+        groups committed after it may run on) O to them, and issues O += P_j V_j."""
         NS = const_expr(self.stages)
         cute.arch.barrier(barrier_id=PUB_BAR + 1 - wgc, number_of_threads=256)
         stage = j % NS
@@ -256,8 +260,9 @@ class MlaSplitKernel:
             alpha[rh] = cute.arch.exp2(m_run[rh] - m_new)
             m_run[rh] = m_new
             l_run[rh] = l_run[rh] * alpha[rh]
-        for e in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
+        if cute.arch.vote_any_sync((alpha[0] != Float32(1.0)) | (alpha[1] != Float32(1.0))):
+            warpgroup.wait_group(in_flight)
+            _rescale(acc_o, alpha)
         warpgroup.fence()
         self._pv(acc_o, tOrP, tOrV, stage)
 
@@ -468,6 +473,15 @@ class MlaSplitKernel:
                                    cute.make_layout((8,)))
             cute.copy(atom, src, _chunk(wK[stage, None, None, None, None, None], row, ch))
         cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier(mbar, NS, 0, stage))
+
+
+@cute.jit
+def _rescale(acc_o: cute.Tensor, alpha: cute.Tensor):
+    """O's rows times alpha (element e is in row half (e // 2) % 2); nothing where this warp's alphas are all
+    1 (the running max did not move: online_softmax's rescale_log2)."""
+    if cute.arch.vote_any_sync((alpha[0] != Float32(1.0)) | (alpha[1] != Float32(1.0))):
+        for e in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
 
 
 def _with_stage_stride(layout, stages: int, stride: int):

@@ -22,7 +22,7 @@ def online_softmax(acc_s: cute.Tensor, t_cs: cute.Tensor, m_run: cute.Tensor, l_
                    alpha: cute.Tensor, limit: cute.Tensor, j0: Int32, hi: Int32, start: Int32, full_lo: Int32,
                    full_hi: Int32, k_scale: Float32, softcap: Float32, window_left: Int32,
                    tile_n: cutlass.Constexpr, causal: cutlass.Constexpr, use_window: cutlass.Constexpr,
-                   use_softcap: cutlass.Constexpr):
+                   use_softcap: cutlass.Constexpr, rescale_log2: cutlass.Constexpr = 0.0):
     """One score tile (keys j0 ... j0 + tile_n; t_cs: the fragment's (row, key) coordinates) in place: the masks
     where the tile reaches past the fully visible range [full_lo, full_hi), then P = exp2(logit - m); updates
     the rows' running max and (this thread's part of the) sum and sets alpha, the factor that rescales O to
@@ -32,7 +32,12 @@ def online_softmax(acc_s: cute.Tensor, t_cs: cute.Tensor, m_run: cute.Tensor, l_
     taken on raw scores: k_scale > 0 (the scale is validated positive; the kernels that call this take caches
     in q's dtype, so no descale). With softcap the logits are computed first. The max and the sum use four
     partial chains per row (shorter dependency chains). A row that sees no key keeps m = NEG_BIG (finite), so
-    every P is 0 and alpha 1, never NaN."""
+    every P is 0 and alpha 1, never NaN.
+
+    rescale_log2 > 0: the running max moves only when a row's new max exceeds it by more than rescale_log2
+    (log2 units), else it stays and alpha is exactly 1 (P up to 2^rescale_log2, exact in fp32 and as
+    representable in 16 bits as any P): the caller may then skip rescaling O, and with it the wait for the
+    product that last wrote O. O and the sum stay relative to the same max, so the result is the same."""
     BN = const_expr(tile_n)
     N = const_expr(cute.size(acc_s))
     c = k_scale
@@ -53,6 +58,8 @@ def online_softmax(acc_s: cute.Tensor, t_cs: cute.Tensor, m_run: cute.Tensor, l_
         t_max = cute.arch.fmax(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=1))
         t_max = cute.arch.fmax(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=2))
         m_new = cute.arch.fmax(m_run[rh], cute.arch.fmax(t_max * c, Float32(NEG_BIG)))
+        if const_expr(rescale_log2 > 0):
+            m_new = m_new if m_new > m_run[rh] + Float32(rescale_log2) else m_run[rh]
         alpha[rh] = cute.arch.exp2(m_run[rh] - m_new)
         m_run[rh] = m_new
         sums = [Float32(0.0)] * 4
