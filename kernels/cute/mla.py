@@ -197,12 +197,12 @@ class MlaSplitKernel:
             for i in cutlass.range(n_own, unroll=1):
                 j = 2 * i + wgc
                 stage = j % NS
-                if const_expr(NS == 2):
-                    # tile j goes into tile j - 2's stage: this consumer's P V of it done and the stage released
-                    # before tile j is waited for
-                    warpgroup.wait_group(0)
-                    if j >= 2:
-                        cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (j - 2) % NS))
+                # this consumer's P V of its previous tile j - 2 done, and that stage released, before tile j is
+                # waited for: with 2 stages tile j goes into it, and with more the producer refills it soonest (the
+                # release deferred past the scores of tile j measured 1.1-1.35x slower; h200.md, session 27)
+                warpgroup.wait_group(0)
+                if j >= 2:
+                    cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (j - 2) % NS))
                 # S_j = Q K_j^T, in flight while the other consumer's tile j - 1 is taken in
                 cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), stage_phase(j, NS))
                 cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
@@ -210,12 +210,9 @@ class MlaSplitKernel:
                 self._scores(acc_s, tSrQ, tSrK, stage)
                 if j >= 1:
                     self._take_other(j - 1, wgc, acc_o, m_run, l_run, alpha, t_co, sM, tOrP, tOrV, mbar, 1)
-                    warpgroup.wait_group(1)  # S_j done (P V of tile j - 1 may run on), and all before it
+                    warpgroup.wait_group(1)  # S_j done (P V of tile j - 1 may run on)
                 else:
                     warpgroup.wait_group(0)
-                if const_expr(NS > 2):
-                    if j >= 2:  # P V of tile j - 2 done (commit groups complete in order): its stage released
-                        cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (j - 2) % NS))
                 online_softmax(acc_s, t_cs, m_run, l_run, alpha, limit, s_lo + j * BN, s_hi, start, start, full_hi,
                                k_scale, softcap, Int32(0), tile_n=BN, causal=self.causal, use_window=False,
                                use_softcap=self.use_softcap, rescale_log2=RESCALE_LOG2)
@@ -233,7 +230,8 @@ class MlaSplitKernel:
                 warpgroup.wait_group(0)
                 if j >= 1:
                     cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (j - 1) % NS))
-                _rescale(acc_o, alpha)
+                if _moved(alpha):
+                    _scale_rows(acc_o, alpha)
                 warpgroup.fence()
                 self._pv(acc_o, tOrP, tOrV, stage)
             if n_tiles >= 1:
@@ -260,9 +258,9 @@ class MlaSplitKernel:
             alpha[rh] = cute.arch.exp2(m_run[rh] - m_new)
             m_run[rh] = m_new
             l_run[rh] = l_run[rh] * alpha[rh]
-        if cute.arch.vote_any_sync((alpha[0] != Float32(1.0)) | (alpha[1] != Float32(1.0))):
+        if _moved(alpha):
             warpgroup.wait_group(in_flight)
-            _rescale(acc_o, alpha)
+            _scale_rows(acc_o, alpha)
         warpgroup.fence()
         self._pv(acc_o, tOrP, tOrV, stage)
 
@@ -476,12 +474,17 @@ class MlaSplitKernel:
 
 
 @cute.jit
-def _rescale(acc_o: cute.Tensor, alpha: cute.Tensor):
-    """O's rows times alpha (element e is in row half (e // 2) % 2); nothing where this warp's alphas are all
-    1 (the running max did not move: online_softmax's rescale_log2)."""
-    if cute.arch.vote_any_sync((alpha[0] != Float32(1.0)) | (alpha[1] != Float32(1.0))):
-        for e in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
+def _moved(alpha: cute.Tensor):
+    """Whether any row of this warp has alpha != 1 (its running max moved: online_softmax's rescale_log2);
+    warp-uniform, so a warp whose rows did not move skips rescaling O and waiting for the product before."""
+    return cute.arch.vote_any_sync((alpha[0] != Float32(1.0)) | (alpha[1] != Float32(1.0)))
+
+
+@cute.jit
+def _scale_rows(acc_o: cute.Tensor, alpha: cute.Tensor):
+    """O's rows times alpha (element e is in row half (e // 2) % 2)."""
+    for e in cutlass.range_constexpr(cute.size(acc_o)):
+        acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
 
 
 def _with_stage_stride(layout, stages: int, stride: int):
