@@ -47,6 +47,9 @@ def cute_configs():
         ("extend", (128, 4, 32, 4, 1024, 16, False, 128, 3, bf, True, False, False)),
         ("extend", (64, 4, 32, 4, 2048, 64, True, 128, 4, bf, True, True, True)),
         ("extend", (128, 1, 8, 2, 300, 1, True, 128, 3, fp, False, False, False)),
+        # mla: (s, hq, page, splits, tile_n, stages, q, causal, softcap)
+        ("mla", (1, 128, 64, 2, 32, 4, bf, False, False)),
+        ("mla", (4, 16, 1, 1, 32, 4, bf, True, True)),
     ]
 
 
@@ -59,7 +62,7 @@ def _cute_one(index: int) -> None:
     from b12x_inductor.kernels import cute as ck
 
     kind, key = cute_configs()[index]
-    (ck._compiled if kind == "split" else ck._compiled_extend)(key)
+    {"split": ck._compiled, "extend": ck._compiled_extend, "mla": ck._compiled_mla}[kind](key)
 
 
 def cute_ptx(out: Path) -> None:

@@ -1,13 +1,14 @@
 """The CuTe DSL kernel family (Hopper): decode and verify on the CUDA cores (decode.py) or the tensor cores
-(decode_mma.py); extend warp-specialized with wgmma (extend.py). `FAMILY` is its KernelFamily
-(kernels/__init__.py); its plans and where select_plan prefers it are in plan.py.
+(decode_mma.py); extend warp-specialized with wgmma (extend.py); absorbed-MLA decode and verify (D 576, Dv 512,
+V a view of K) warp-specialized with wgmma (mla.py). `FAMILY` is its KernelFamily (kernels/__init__.py); its
+plans and where select_plan prefers it are in plan.py.
 
 Optional: it needs nvidia-cutlass-dsl (`pip install b12x-inductor[cute]`); without it `available()` is False
 and every plan runs on Triton. `run` launches the plan's kernel on torch's current stream (a CuTe launch
 without an explicit stream is silently left out of a CUDA-graph capture): for decode/verify the split
-kernel and then the Triton merge kernel, which combines the splits with the sink into `out` and `lse`; for
-extend one kernel that writes `out` and `lse`. It writes only out, lse and the plan's scratch, allocates
-nothing and never syncs. `precompile` compiles the kernel for a plan ahead (in memory, and in the DSL's own
+kernel and then the Triton merge kernel, which combines the splits with the sink into `out` and `lse` (the
+MLA kernel with one split writes them itself); for extend one kernel that writes `out` and `lse`. It writes
+only out, lse and the plan's scratch, allocates nothing and never syncs. `precompile` compiles the kernel for a plan ahead (in memory, and in the DSL's own
 file cache on disk), so no compile ever happens inside a capture.
 
 The kernels also compile on a machine without a GPU, which catches DSL errors before any device time:
@@ -54,8 +55,8 @@ def available() -> bool:
 def supports(problem) -> bool:
     """Whether this family expresses the problem: CUDA of a verified capability, bf16/fp16 q, NHD or HND, any
     page size; decode/verify with the cache in q's dtype or float8_e4m3fn, head dims 64/128/256 and at most 16
-    query rows per KV head; extend (4D or packed q) with the cache in q's dtype and head dims 64/128. No
-    key_mask (the Triton family reads it).
+    query rows per KV head; extend (4D or packed q) with the cache in q's dtype and head dims 64/128; absorbed
+    MLA decode/verify (`mla_supports`). No key_mask (the Triton family reads it).
     (Installed or not: `available()` says that.)"""
     if problem.device_type != "cuda" or problem.capability not in VERIFIED_CAPABILITIES or problem.key_mask:
         return False

@@ -5,8 +5,9 @@ tiles of `block_n` keys; the split count is the Triton family's rule with the co
 measured with (CUTE_SPLITS). block_m 1 selects the CUDA-core kernel (decode.py), 16 (MMA_M) the tensor-core
 one (decode_mma.py), which takes float8 decode once a split spans at least MMA_MIN_SPLIT_KEYS of the keys a
 query can see (Problem.kv_span). Extend: 128 query rows (two consumer warpgroups) and a producer warpgroup,
-128-key tiles, as many stages as shared memory holds (extend_geometry). The choices and the measurements
-behind them: benchmarks/results/h200.md, "CuTe DSL kernels".
+128-key tiles, as many stages as shared memory holds (extend_geometry). Absorbed MLA decode/verify (mla.py,
+block_m 64): 64 query rows per CTA, 4 stages of 32 keys, splits for about one CTA per SM (MLA_SPLITS). The
+choices and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL kernels" and "Session 27".
 """
 
 from __future__ import annotations
