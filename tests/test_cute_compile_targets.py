@@ -127,7 +127,8 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     mla = dict(d=576, dv=512, hq=16, hkv=1, v_view=True)
     kw = {"decode": dict(q_len=1), "verify_fp8_features": dict(q_len=4, kv_start=True, descale="bh", kv_dtype=F8),
           "extend_sinks": dict(q_len=40, sinks=True), "packed_kv_start": dict(packed=True, kv_start=True),
-          "mla_decode": dict(mla, q_len=1, sinks=True, lens=[3000, 70]), "mla_verify_one_split": dict(mla, q_len=4, kv_start=True)}[case]
+          "mla_decode": dict(mla, q_len=1, sinks=True, lens=[3000, 70]),
+          "mla_verify_one_split": dict(mla, q_len=4, kv_start=True)}[case]
     t = make_inputs(**{**dict(d=128, hq=8, hkv=2, page_size=16, lens=[100, 70]), **kw})
     problem = validate.check_paged_attention(
         t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"], kv_layout="NHD",

@@ -8,8 +8,8 @@ and every plan runs on Triton. `run` launches the plan's kernel on torch's curre
 without an explicit stream is silently left out of a CUDA-graph capture): for decode/verify the split
 kernel and then the Triton merge kernel, which combines the splits with the sink into `out` and `lse` (the
 MLA kernel with one split writes them itself); for extend one kernel that writes `out` and `lse`. It writes
-only out, lse and the plan's scratch, allocates nothing and never syncs. `precompile` compiles the kernel for a plan ahead (in memory, and in the DSL's own
-file cache on disk), so no compile ever happens inside a capture.
+only out, lse and the plan's scratch, allocates nothing and never syncs. `precompile` compiles the kernel for
+a plan ahead (in memory, and in the DSL's own file cache on disk), so no compile ever happens inside a capture.
 
 The kernels also compile on a machine without a GPU, which catches DSL errors before any device time:
 `cute.compile(SplitKernel(...), *fake_args, options="--gpu-arch sm_90a")` as `_compiled` builds it (without
@@ -451,8 +451,9 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
 
 def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
     """The MLA split kernel (mla.py) writes each split's partials into `scratch` and the Triton merge kernel
-    combines them (with the sink) into `out` and `lse`; with one split the kernel writes `out` and `lse`. V is read from K's tiles: v_cache must be k_cache's
-    first 512 columns (the same storage, offset and strides), which is checked here (fail closed)."""
+    combines them (with the sink) into `out` and `lse`; with one split the kernel writes `out` and `lse`. V is
+    read from K's tiles: v_cache must be k_cache's first 512 columns (the same storage, offset and strides),
+    which is checked here (fail closed)."""
     from cuda.bindings.driver import CUstream
     from cutlass import Float32, Int32
 

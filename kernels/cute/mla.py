@@ -33,8 +33,9 @@ through `sm90_utils.make_smem_layout_a/b`, the V and P views with the ring's sta
 
 With several splits every CTA writes its normalized partial output and log2-sum-exp in the layout of the Triton
 family's scratch ([rows, splits, 512] and [rows, splits]) and the Triton merge kernel combines the splits with
-the sink into `out` and `lse`; with one split the CTA writes `out` and `lse` itself (no scratch, no merge). The split's key range is computed on the device from the live length (clamped:
-`live_range`, page ids by `PageRow`), so one compiled kernel serves every length.
+the sink into `out` and `lse`; with one split the CTA writes `out` and `lse` itself (no scratch, no merge).
+The split's key range is computed on the device from the live length (clamped: `live_range`, page ids by
+`PageRow`), so one compiled kernel serves every length.
 """
 
 from __future__ import annotations
