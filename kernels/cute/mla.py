@@ -7,7 +7,8 @@ of the request's S x Hq: token r // Hq, head r % Hq) and one partition (split) o
 (splits, row blocks, B):
 
 - warpgroup 0, the producer (40 registers after setmaxnreg), loads each tile of TN keys x 576 into a
-  STAGES-deep ring (TN 64 with 2 stages, or 32 with 4: what the shared memory holds beside Q), waiting only
+  STAGES-deep ring (TN 32 with 4 stages, the plan's, or 64 with 2: what the shared memory holds beside Q;
+  64 with 2 measured 1.1-1.3x slower, its loads exposed), waiting only
   on a stage's `empty` mbarrier before reusing it. By TMA (kernels/cute/tma.py: 9 boxes of 64 columns per
   box row) where the page geometry allows (`tma_box`) and every key of the tile is the request's and visible
   ([kv_start, length)); by cp.async otherwise, with keys outside that range copied from the nearest visible
@@ -21,11 +22,14 @@ of the request's S x Hq: token r // Hq, head r % Hq) and one partition (split) o
   PUB_BAR + c). Each consumer then adds P_j V_j for its half of the columns (wgmma, P and V from shared
   memory, V read N-major from the same tile), for its own tiles and, once signalled, for the other's.
   Rescaling: the row maxima form one sequence m_0, m_1, ... over the tiles, which both consumers follow
-  (each reads the other's), so both rescale O and their partial row sums by the same exp2(m_{j-1} - m_j)
-  at every tile; the row sum is the two partial sums added at the end.
+  (each reads the other's), so both rescale O and their partial row sums by the same exp2(m_{j-1} - m_j);
+  the row sum is the two partial sums added at the end. A row's max moves only when it grows by more than
+  2^RESCALE_LOG2 (online_softmax), so after the first tiles most warps skip the rescale of O, and with it
+  the wait for the P V before.
 - Per own tile j the owner issues S_j before it waits for tile j - 1's P (the other's softmax), so one
   consumer's scores run on the tensor cores while the other's softmax runs. A stage is released (every
-  consumer thread arrives on its `empty` barrier) once both consumers' P V of it are complete.
+  consumer thread arrives on its `empty` barrier) once both consumers' P V of it are complete: the owner at
+  the top of its next tile, the other consumer before its own next P V.
 
 Shared-memory tiles use the 128-byte swizzle wgmma reads: a tile of rows x 576 is 9 slabs of rows x 128
 bytes, 16-byte chunk c of row r at chunk position c ^ (r % 8) (as extend.py); the MMAs read the same bytes
