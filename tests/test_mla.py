@@ -291,7 +291,8 @@ def test_problem_knows_when_v_is_k_prefix():
 def test_v_from_k_is_refused_where_it_does_not_fit():
     """v_from_k (V's tile from K's) is asked for, never guessed: the Triton plan refuses it where v is not k's
     first Dv columns, or Dv is not K's first column block; a launch refuses a v_cache that is not that view;
-    the CuTe family refuses it. select_plan takes it for MLA decode/verify exactly where it fits (v_in_k)."""
+    the CuTe family refuses it but for its MLA kernel, which always takes it. select_plan takes it for MLA
+    decode/verify exactly where it fits (v_in_k)."""
     from b12x_inductor import kernels
     from b12x_inductor.kernels import triton as tk
     import importlib
@@ -312,9 +313,13 @@ def test_v_from_k_is_refused_where_it_does_not_fit():
         family_plan(Problem(**base), "triton", v_from_k=True)
     with pytest.raises(ValueError, match="v_from_k needs"):  # 192 / 128: K's first block is 256 wide
         family_plan(Problem(**{**base, "head_dim": 192, "v_head_dim": 128}, v_in_k=True), "triton", v_from_k=True)
-    with pytest.raises(ValueError, match="cute family loads V itself"):
+    with pytest.raises(ValueError, match="other kernels load V themselves; v_from_k=True"):
         kernels.family("cute").plan(Problem(**{**base, "head_dim": 128, "v_head_dim": 128}, v_in_k=True),
                                     v_from_k=True)
+    # the CuTe MLA kernel always takes V from K: its plans say so, and cannot be asked to load V
+    assert kernels.family("cute").plan(latent).v_from_k
+    with pytest.raises(ValueError, match="MLA kernel reads V from K's tiles.*v_from_k=False"):
+        kernels.family("cute").plan(latent, v_from_k=False)
     t = make_inputs(d=576, dv=512, hq=4, hkv=1)  # v from the other half: not k's columns
     options = dict(kv_layout="NHD", causal=True, scale=0.05, window_left=-1, softcap=0.0)
     call = direct_call(t, "decode", options, dict(num_splits=1, block_m=16, block_n=16, num_warps=4, num_stages=2,

@@ -24,11 +24,13 @@ MLA_SPLITS = dict(programs_per_sm=1, max_splits=128)  # one CTA fits an SM (223 
 
 
 def plan(problem: Problem, **tiles) -> Plan:
-    """The family's plan; `tiles` replace its tile choices (plan.family_plan). Its kernels always load V
-    themselves: v_from_k=True raises."""
-    if tiles.get("v_from_k"):
-        raise ValueError("paged_attention: the cute family loads V itself; v_from_k is the Triton family's")
-    mla = problem.v_head_dim != problem.head_dim  # mla.py writes out itself with one split
+    """The family's plan; `tiles` replace its tile choices (plan.family_plan). The MLA kernel always takes V's
+    tile from K's (its plans say v_from_k), the others always load V themselves: a v_from_k tile that says
+    otherwise raises."""
+    mla = problem.v_head_dim != problem.head_dim  # mla.py; it also writes out itself with one split
+    if "v_from_k" in tiles and bool(tiles["v_from_k"]) != mla:
+        raise ValueError("paged_attention: the cute family's MLA kernel reads V from K's tiles, its other kernels "
+                         f"load V themselves; v_from_k={tiles['v_from_k']} is the Triton family's")
     return with_tiles(problem, _plan(problem), tiles, always_split=not mla)
 
 
@@ -53,7 +55,7 @@ def mla_plan(problem: Problem) -> Plan:
     one per SM."""
     row_blocks = -(-(problem.q_len * problem.num_q_heads) // MLA_TILE["block_m"])
     splits = triton_num_splits(problem, problem.batch * row_blocks, **MLA_SPLITS)
-    return Plan(mode=problem.mode, family="cute", num_splits=splits, **MLA_TILE,
+    return Plan(mode=problem.mode, family="cute", num_splits=splits, **MLA_TILE, v_from_k=True,
                 scratch_bytes=split_scratch_bytes(problem, splits))  # one split writes out itself
 
 
