@@ -7,9 +7,10 @@ A thin entry on top of `paged_attention`: the latent cache [num_pages, page_size
 values + 64 rope key values per token, vLLM's layout) is one KV head whose keys are all 576 values and whose
 values are the first 512 of them, so this is paged_attention with Hkv = 1, D = 576 and Dv = 512:
 k_cache = kv_cache[:, :, None, :] (NHD), v_cache = k_cache[..., :512] (a view: the same memory), and
-q = cat(q_nope, q_pe) (one small copy of q). The kernels run as paged_attention's do (Triton on CUDA, the
-torch family elsewhere; no CuTe kernel takes Dv != D yet). Plain torch and the op: it traces under
-torch.compile(fullgraph=True).
+q = cat(q_nope, q_pe) (one small copy of q). The kernels run as paged_attention's do: with a 16-bit cache,
+decode and verify on the CuTe DSL family's MLA kernel where it is installed (sm90, pages that go by TMA:
+kernels/cute/mla.py), else Triton on CUDA, the torch family elsewhere. Plain torch and the op: it traces
+under torch.compile(fullgraph=True).
 
 `mla_write_kv` is its write: the op b12x::write_latent stores each new token's cat(ckv, kpe) in its slot of
 the one latent cache (write_kv's slot convention and contract), which write_kv cannot do (it mutates two

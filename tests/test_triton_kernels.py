@@ -312,7 +312,8 @@ GPU_CASES = [
                                       key_mask="rows", kv_dtype=F8, descale="b", nan_unused=True), {}),
     ("extend_4d_key_mask", dict(batch=2, q_len=150, hq=16, hkv=4, d=64, page_size=16, lens=[150, 420],
                                 key_mask="rows", nan_unused=True), {}),
-    # value head dim != key head dim (MLA; the Triton family: CuTe refuses Dv != D)
+    # value head dim != key head dim (MLA; the Triton family, and for 16-bit absorbed MLA decode/verify the
+    # CuTe family's MLA kernel where installed: select_plan's pick, then the Triton plan too)
     ("decode_dv128_d192", dict(batch=3, hq=16, hkv=16, d=192, dv=128, page_size=16, lens=[600, 37, 5],
                                nan_unused=True), {}),
     ("extend_dv128_d192_gqa", dict(batch=2, q_len=200, hq=16, hkv=4, d=192, dv=128, page_size=16, lens=[200, 333],
