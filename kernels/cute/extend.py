@@ -500,15 +500,30 @@ class ExtendKernel:
         one elected lane, with warp-uniform coordinates: the page id is read by lane r // 4 and shuffled).
         Thread 0 arrives with the tile's byte count (expect-tx), the 127 others plainly."""
         BN = const_expr(self.tile_n)
+        BOX = const_expr(self.box)
         NS = const_expr(self.stages)
-        page = tma.tile_page_ids(tidx, PageRow(pt_ptr, pt_sb, b, num_pages), j0, self.page, self.box, BN)
+        SLABS = const_expr(max(self.d // 64, 1))
+        BOX_ROWS = const_expr(BN // BOX)
+        warp = tidx // 32
+        lane = tidx % 32
+        page = Int32(0)
+        if (warp + 4 * lane < BOX_ROWS) & (lane < (BOX_ROWS + 3) // 4):
+            page = tma.box_page(PageRow(pt_ptr, pt_sb, b, num_pages), j0, self.page, BOX, warp + 4 * lane)
         for kv in cutlass.range_constexpr(2):
             bar = full_barrier(mbar, NS, kv, stage)
-            tma.arrive_tile(tidx, bar, BN * self.d * 2)
-            # the stage's K or V tile in the ring (elements; see chunks_view)
-            tma.copy_tile(tidx, page, tma_k if kv == 0 else tma_v, m_k if kv == 0 else m_v,
-                          ring + (kv * NS + stage) * BN * self.d, j0, self.page, self.box, BN, max(self.d // 64, 1),
-                          h, bar)
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, BN * self.d * 2)
+            else:
+                cute.arch.mbarrier_arrive(bar)
+            for i in cutlass.range_constexpr((BOX_ROWS + 3) // 4):
+                if warp + 4 * i < BOX_ROWS:
+                    rb = warp + 4 * i
+                    p = cute.arch.shuffle_sync(page, i)
+                    for sl in cutlass.range_constexpr(SLABS):
+                        # stage, slab sl, rows rb x BOX ... of the K or V ring (elements; see chunks_view)
+                        dst = ring + ((kv * NS + stage) * BN * self.d + sl * BN * 64 + rb * BOX * 64)
+                        tma.copy_box(tma_k if kv == 0 else tma_v, m_k if kv == 0 else m_v, dst, BOX, j0, self.page,
+                                     sl, h, p, bar)
 
     @cute.jit
     def _cp_async_tile(self, tidx: Int32, b: Int32, h: Int32, j0: Int32, hi: Int32, stage: Int32,

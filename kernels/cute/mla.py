@@ -422,15 +422,31 @@ class MlaSplitKernel:
     @cute.jit
     def _tma_tile(self, tidx: Int32, b: Int32, j0: Int32, stage: Int32, pt_ptr: cute.Pointer, pt_sb: Int64,
                   num_pages: Int32, mbar: cute.Pointer, ring: cute.Pointer, tma_k, m_k):
-        """One tile by TMA (keys j0 .. j0 + TN, all visible; tma.copy_tile): box row r (keys j0 + r x BOX ...,
-        one page) by warp r % 4, 9 slabs each; the tile's byte count expected on the stage's full mbarrier."""
+        """One tile by TMA (keys j0 .. j0 + TN, all visible): box row r (keys j0 + r x BOX ..., one page) goes to
+        warp r % 4, which issues its 9 slabs (a TMA copy is issued by one elected lane, with warp-uniform
+        coordinates: the page id is read by lane r // 4 and shuffled). Thread 0 arrives with the tile's byte
+        count (expect-tx), the 127 others plainly."""
         BN = const_expr(self.tile_n)
+        BOX = const_expr(self.box)
         NS = const_expr(self.stages)
-        page = tma.tile_page_ids(tidx, PageRow(pt_ptr, pt_sb, b, num_pages), j0, self.page, self.box, BN)
+        BOX_ROWS = const_expr(BN // BOX)
+        warp = tidx // 32
+        lane = tidx % 32
+        page = Int32(0)
+        if (warp + 4 * lane < BOX_ROWS) & (lane < (BOX_ROWS + 3) // 4):
+            page = tma.box_page(PageRow(pt_ptr, pt_sb, b, num_pages), j0, self.page, BOX, warp + 4 * lane)
         bar = full_barrier(mbar, NS, 0, stage)
-        tma.arrive_tile(tidx, bar, BN * D * 2)
-        tma.copy_tile(tidx, page, tma_k, m_k, ring + stage * BN * D, j0, self.page, self.box, BN, SLABS, Int32(0),
-                      bar)
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, BN * D * 2)
+        else:
+            cute.arch.mbarrier_arrive(bar)
+        for i in cutlass.range_constexpr((BOX_ROWS + 3) // 4):
+            if warp + 4 * i < BOX_ROWS:
+                rbox = warp + 4 * i
+                p = cute.arch.shuffle_sync(page, i)
+                for sl in cutlass.range_constexpr(SLABS):
+                    dst = ring + (stage * BN * D + sl * BN * 64 + rbox * BOX * 64)
+                    tma.copy_box(tma_k, m_k, dst, BOX, j0, self.page, sl, Int32(0), p, bar)
 
     @cute.jit
     def _cp_async_tile(self, tidx: Int32, b: Int32, j0: Int32, start: Int32, length: Int32, stage: Int32,

@@ -8,13 +8,12 @@ it) by 128 bytes of the head dim into shared memory, in the 128-byte swizzle tha
 bytes, the box starting on a 1024-byte boundary. The copy completes on an mbarrier with its byte count
 (expect-tx), so a kernel waits for a tile the same way whichever way it was loaded.
 
-These helpers run while a kernel is traced: `cache_tma` in the host-side launch function, the others in the
-kernel (`tile_page_ids`, `arrive_tile` and `copy_tile`, which branch on the thread, as cute.jit functions).
+These helpers run while a kernel is traced (plain functions, no control flow of their own): `cache_tma` in
+the host-side launch function, the others in the kernel.
 """
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Int64, Uint32
@@ -61,45 +60,3 @@ def copy_box(atom, coords: cute.Tensor, dst: cute.Pointer, box: int, j0: Int32, 
     t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_box, 0, 2),
                                      cute.group_modes(g_box, 0, 2))
     cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
-
-
-@cute.jit
-def tile_page_ids(tidx: Int32, pt_row, j0: Int32, page: cutlass.Constexpr, box: cutlass.Constexpr,
-                  tile_n: cutlass.Constexpr):
-    """For a tile of tile_n keys from j0 (on a box boundary) whose tile_n // box box rows go by TMA, box row r
-    to warp r % 4 of the loading warpgroup (`copy_tile`): the page id of box row warp + 4 x lane, read by that
-    lane (0 elsewhere), for `copy_tile` to shuffle to the warp."""
-    box_rows = tile_n // box
-    warp = tidx // 32
-    lane = tidx % 32
-    page_id = Int32(0)
-    if (warp + 4 * lane < box_rows) & (lane < (box_rows + 3) // 4):
-        page_id = box_page(pt_row, j0, page, box, warp + 4 * lane)
-    return page_id
-
-
-@cute.jit
-def arrive_tile(tidx: Int32, bar: cute.Pointer, nbytes: cutlass.Constexpr):
-    """The loading warpgroup's arrival on a tile's full mbarrier: thread 0 with the tile's byte count
-    (expect-tx), the 127 others plainly (the barrier counts 128 arrivals and completes when the bytes land)."""
-    if tidx == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
-    else:
-        cute.arch.mbarrier_arrive(bar)
-
-
-@cute.jit
-def copy_tile(tidx: Int32, page_id: Int32, atom, coords: cute.Tensor, dst: cute.Pointer, j0: Int32,
-              page: cutlass.Constexpr, box: cutlass.Constexpr, tile_n: cutlass.Constexpr, slabs: cutlass.Constexpr,
-              h, bar: cute.Pointer):
-    """Issues the TMA copies of one tile (tile_n keys from j0, slabs x 128 bytes of each key) into `dst`, the
-    tile's swizzled slabs (slab sl at dst + sl x tile_n x 64 elements, box row r at + r x box x 64): box row r
-    by warp r % 4, its page id (`tile_page_ids`) shuffled from lane r // 4, one copy per slab."""
-    box_rows = tile_n // box
-    warp = tidx // 32
-    for i in cutlass.range_constexpr((box_rows + 3) // 4):
-        if warp + 4 * i < box_rows:
-            rb = warp + 4 * i
-            p = cute.arch.shuffle_sync(page_id, i)
-            for sl in cutlass.range_constexpr(slabs):
-                copy_box(atom, coords, dst + (sl * tile_n * 64 + rb * box * 64), box, j0, page, sl, h, p, bar)
