@@ -455,7 +455,7 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
     read from K's tiles: v_cache must be k_cache's first 512 columns (the same storage, offset and strides),
     which is checked here (fail closed)."""
     from cuda.bindings.driver import CUstream
-    from cutlass import Float32, Int32
+    from cutlass import Float32, Int32, Int64
 
     from b12x_inductor.kernels.triton import decode as triton_decode
     from b12x_inductor.kernels.triton import _cache_strides, split_partials
@@ -483,8 +483,6 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
     softcap = float(options["softcap"])
     stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     with torch.cuda.device(q.device):
-        from cutlass import Int64
-
         from .mla import MlaSplitKernel
 
         compiled(*_launch_args(MlaSplitKernel, dict(

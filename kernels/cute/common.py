@@ -1,5 +1,6 @@
 """Math shared by the CuTe DSL family's kernels (decode.py, decode_mma.py, extend.py), written once: the
-per-(request, KV head) scales, a request's live key range (clamped: `live_range`), its page-table row (page
+per-(request, KV head) scales, a request's live key range (clamped: `live_range`) and a split's share of it
+(`split_keys`), its page-table row (page
 ids clamped into the cache: `PageRow`), a score's log2-domain logit and whether a key is visible to a row;
 and the stage barriers of a pipelined K/V ring (`full_barrier`, `empty_barrier`, `stage_phase`,
 `release_phase`).
@@ -12,6 +13,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 NEG_BIG = -1.0e30
 
 
@@ -41,6 +43,19 @@ def live_range(seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, has_kv_sta
         kvs = cute.make_tensor(kv_start_ptr, cute.make_layout((1 << 30,)))
         start = cutlass.min(cutlass.max(Int32(kvs[b]), Int32(0)), length)
     return length, start
+
+
+@cute.jit
+def split_keys(lo: Int32, hi: Int32, split: Int32, num_splits: cutlass.Constexpr, tile_n: cutlass.Constexpr):
+    """(s_lo, s_hi, n_tiles): partition `split` of num_splits of the key range [lo, hi), in whole tiles of
+    tile_n keys from lo (as the Triton split kernel partitions it), and its tile count (0 for an empty one)."""
+    span = cutlass.max(hi - lo, Int32(0))
+    per_split = (span + num_splits - 1) // num_splits
+    chunk = (per_split + tile_n - 1) // tile_n * tile_n
+    s_lo = lo + split * chunk
+    s_hi = cutlass.min(s_lo + chunk, hi)
+    n_tiles = cutlass.max((s_hi - s_lo + tile_n - 1) // tile_n, Int32(0))
+    return s_lo, s_hi, n_tiles
 
 
 class PageRow:

@@ -46,7 +46,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from b12x_inductor.kernels.cute import KEYS_PER_THREAD, geometry, tma, tma_box
 
-from b12x_inductor.kernels.cute.common import NEG_BIG, PageRow, live_range, logit, scales, visible
+from b12x_inductor.kernels.cute.common import NEG_BIG, PageRow, live_range, logit, scales, split_keys, visible
 
 
 class SplitKernel:
@@ -238,13 +238,7 @@ class SplitKernel:
         lo = start
         if const_expr(self.use_window):
             lo = cutlass.max(lo, length - self.s - window_left)
-        hi = length
-        span = cutlass.max(hi - lo, Int32(0))
-        per_split = (span + self.num_splits - 1) // self.num_splits
-        chunk = (per_split + TILE_N - 1) // TILE_N * TILE_N
-        s_lo = lo + split * chunk
-        s_hi = cutlass.min(s_lo + chunk, hi)
-        n_tiles = cutlass.max((s_hi - s_lo + TILE_N - 1) // TILE_N, Int32(0))
+        s_lo, s_hi, n_tiles = split_keys(lo, length, split, self.num_splits, TILE_N)
         return length, start, s_lo, s_hi, n_tiles
 
     @cute.kernel

@@ -62,11 +62,10 @@ from cutlass.utils import LayoutEnum
 
 from b12x_inductor.kernels.cute import EXTEND_BLOCK_M as BLOCK_M
 from b12x_inductor.kernels.cute import extend_geometry, tma, tma_box
-from b12x_inductor.kernels.cute.common import (LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier, live_range,
-                                               release_phase, scales, stage_phase)
+from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
+                                               live_range, release_phase, scales, stage_phase)
 from b12x_inductor.kernels.cute.softmax import online_softmax
 
-LN2 = 0.6931471805599453
 THREADS = 384  # producer warpgroup + two consumer warpgroups
 TURN_BAR = 3  # named barriers 3 and 4: consumer warpgroup 0's and 1's turn to issue (1 and 2 are the Q loads')
 PRODUCER_REGS, CONSUMER_REGS = 56, 224  # 128 x 56 + 256 x 224 <= 65536

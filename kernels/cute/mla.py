@@ -57,11 +57,10 @@ from b12x_inductor.kernels.cute import MLA_BLOCK_M as BLOCK_M
 from b12x_inductor.kernels.cute import MLA_D as D
 from b12x_inductor.kernels.cute import MLA_DV as DV
 from b12x_inductor.kernels.cute import mla_geometry, tma, tma_box
-from b12x_inductor.kernels.cute.common import (LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier, live_range,
-                                               release_phase, stage_phase)
+from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
+                                               live_range, release_phase, split_keys, stage_phase)
 from b12x_inductor.kernels.cute.softmax import online_softmax
 
-LN2 = 0.6931471805599453
 THREADS = 384  # producer warpgroup + two consumer warpgroups
 HALF = DV // 2  # output columns per consumer warpgroup
 SLABS = D // 64  # 128-byte slabs of a 576-wide row (the last one: the rope keys, then P)
@@ -138,12 +137,7 @@ class MlaSplitKernel:
         # ---- the split's key range, from the live length (device-side) ----
         length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
         lo = start - start % BN  # tiles start on a tile (and TMA box) boundary; keys below start are masked
-        span = cutlass.max(length - lo, Int32(0))
-        per_split = (span + self.num_splits - 1) // self.num_splits
-        chunk = (per_split + BN - 1) // BN * BN
-        s_lo = lo + split * chunk
-        s_hi = cutlass.min(s_lo + chunk, length)
-        n_tiles = cutlass.max((s_hi - s_lo + BN - 1) // BN, Int32(0))
+        s_lo, s_hi, n_tiles = split_keys(lo, length, split, self.num_splits, BN)
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
