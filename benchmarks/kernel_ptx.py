@@ -107,7 +107,19 @@ def _write(out: Path, name: str, ptx: str) -> None:
     print(f"{name} {hashlib.sha1(text.encode()).hexdigest()[:12]} {text.count(chr(10))} lines", flush=True)
 
 
+def _check_tree() -> None:
+    """The kernels compiled must be this tree's: `b12x_inductor.kernels` comes from the editable install, which
+    follows the last `pip install -e` (a CI worktree's, say), not the working directory."""
+    import b12x_inductor.kernels as kernels
+
+    where = Path(kernels.__file__).resolve()
+    if ROOT not in where.parents:
+        raise SystemExit(f"kernel_ptx: b12x_inductor.kernels is imported from {where}, not from {ROOT}; "
+                         f"run `pip install -e {ROOT}` first")
+
+
 def main() -> None:
+    _check_tree()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--family", choices=("cute", "triton", "both"), default="both")
