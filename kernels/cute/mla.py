@@ -24,8 +24,9 @@ of the request's S x Hq: token r // Hq, head r % Hq) and one partition (split) o
   Rescaling: the row maxima form one sequence m_0, m_1, ... over the tiles, which both consumers follow
   (each reads the other's), so both rescale O and their partial row sums by the same exp2(m_{j-1} - m_j);
   the row sum is the two partial sums added at the end. A row's max moves only when it grows by more than
-  2^RESCALE_LOG2 (online_softmax), so after the first tiles most warps skip the rescale of O, and with it
-  the wait for the P V before.
+  2^RESCALE_LOG2 (online_softmax), so after the first tiles most warps skip the rescale of O. Every
+  wgmma.wait_group is reached by the whole warpgroup (the instruction is .aligned: one under a warp's own
+  condition is undefined), so only the rescale itself depends on the warp.
 - Per own tile j the owner issues S_j before it waits for tile j - 1's P (the other's softmax), so one
   consumer's scores run on the tensor cores while the other's softmax runs. A stage is released (every
   consumer thread arrives on its `empty` barrier) once both consumers' P V of it are complete: the owner at
@@ -246,8 +247,8 @@ class MlaSplitKernel:
                     alpha: cute.Tensor, t_co: cute.Tensor, sM: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
                     mbar: cute.Pointer, in_flight: cutlass.Constexpr):
         """Tile j, the other consumer's: waits for the other's P_j and row maxima, rescales the partial row sums
-        and (where a row's max moved: after this consumer's last P V, which wrote O, is done; `in_flight`
-        groups committed after it may run on) O to them, and issues O += P_j V_j."""
+        and, after this consumer's last P V (which wrote O) is done (`in_flight` groups committed after it may run
+        on; the wait is the whole warpgroup's), O where a row's max moved; then issues O += P_j V_j."""
         NS = const_expr(self.stages)
         cute.arch.barrier(barrier_id=PUB_BAR + 1 - wgc, number_of_threads=256)
         stage = j % NS
@@ -257,8 +258,8 @@ class MlaSplitKernel:
             alpha[rh] = cute.arch.exp2(m_run[rh] - m_new)
             m_run[rh] = m_new
             l_run[rh] = l_run[rh] * alpha[rh]
+        warpgroup.wait_group(in_flight)  # unconditional: wgmma.wait_group is warpgroup-wide (.aligned)
         if _moved(alpha):
-            warpgroup.wait_group(in_flight)
             _scale_rows(acc_o, alpha)
         warpgroup.fence()
         self._pv(acc_o, tOrP, tOrV, stage)
@@ -475,7 +476,8 @@ class MlaSplitKernel:
 @cute.jit
 def _moved(alpha: cute.Tensor):
     """Whether any row of this warp has alpha != 1 (its running max moved: online_softmax's rescale_log2);
-    warp-uniform, so a warp whose rows did not move skips rescaling O and waiting for the product before."""
+    warp-uniform (not warpgroup-uniform: never a condition around wgmma.wait_group), so a warp whose rows did not
+    move skips rescaling O."""
     return cute.arch.vote_any_sync((alpha[0] != Float32(1.0)) | (alpha[1] != Float32(1.0)))
 
 
