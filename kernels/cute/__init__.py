@@ -1,7 +1,8 @@
 """The CuTe DSL kernel family (Hopper): decode and verify on the CUDA cores (decode.py) or the tensor cores
 (decode_mma.py); extend warp-specialized with wgmma (extend.py); absorbed-MLA decode and verify (D 576, Dv 512,
-V a view of K) warp-specialized with wgmma (mla.py). `FAMILY` is its KernelFamily (kernels/__init__.py); its
-plans and where select_plan prefers it are in plan.py.
+V a view of K) with wgmma, warp-specialized over a ring of 32-key tiles (mla.py) or two warpgroups seesawing
+over two 64-key tiles (mla_seesaw.py). `FAMILY` is its KernelFamily (kernels/__init__.py); its plans and where
+select_plan prefers it are in plan.py.
 
 Optional: it needs nvidia-cutlass-dsl (`pip install b12x-inductor[cute]`); without it `available()` is False
 and every plan runs on Triton. `run` launches the plan's kernel on torch's current stream (a CuTe launch
@@ -173,6 +174,17 @@ def mla_geometry(*, tile_n: int, stages: int) -> dict | None:
     return dict(tile_n=tile_n, stages=stages, storage=storage, smem_bytes=smem_bytes)
 
 
+def mla_seesaw_geometry() -> dict:
+    """The seesaw MLA kernel's shared memory (mla_seesaw.py): Q (64 x 576), two 64-key latent tiles and one P
+    tile (`storage`: storage.mla_seesaw_storage; `smem_bytes` its size, within SMEM_LIMIT)."""
+    from .storage import mla_seesaw_storage
+
+    storage = mla_seesaw_storage(block_m=MLA_BLOCK_M, d=MLA_D, tile_n=64)
+    smem_bytes = storage.size_in_bytes()
+    assert smem_bytes <= SMEM_LIMIT, smem_bytes
+    return dict(storage=storage, smem_bytes=smem_bytes)
+
+
 def tma_box(*, page: int, tile_n: int) -> int:
     """Keys per TMA box (kernels/cute/tma.py) for the extend and decode kernels, or 0 where the page geometry
     allows none (every tile then gathers with cp.async): a box is min(page, tile_n) keys of one page, a whole
@@ -265,20 +277,35 @@ def _compiled_extend(key):
     return cute.compile(kernel, *_fake_args(ExtendKernel, pointers))
 
 
+def mla_kernel_class(num_warps: int):
+    """The MLA kernel a plan names by its warps: 8, the seesaw kernel (mla_seesaw.py: 64-key tiles, two
+    buffers, TMA only); 12, mla.py's (a producer warpgroup, a ring of 32-key tiles, cp.async where TMA cannot)."""
+    if num_warps == 8:
+        from .mla_seesaw import MlaSeesawKernel
+
+        return MlaSeesawKernel
+    from .mla import MlaSplitKernel
+
+    return MlaSplitKernel
+
+
 @functools.cache
 def _compiled_mla(key):
-    """The compiled MLA split kernel (mla.py) for one key (s, hq, page, num_splits, block_n, stages, q dtype,
-    causal, use_softcap)."""
+    """The compiled MLA split kernel (mla.py or mla_seesaw.py: `mla_kernel_class`) for one key (s, hq, page,
+    num_splits, block_n, stages, q dtype, causal, use_softcap, num_warps)."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import make_ptr
 
-    from .mla import MlaSplitKernel
-
-    s, hq, page, splits, tile_n, stages, q_dtype, causal, use_softcap = key
+    s, hq, page, splits, tile_n, stages, q_dtype, causal, use_softcap, warps = key
     qt = _cutlass_dtype(q_dtype)
-    kernel = MlaSplitKernel(s=s, hq=hq, page=page, num_splits=splits, tile_n=tile_n, stages=stages, q_dtype=qt,
-                            causal=causal, use_softcap=use_softcap)
+    cls = mla_kernel_class(warps)
+    if warps == 8:
+        assert (tile_n, stages) == (64, 2), key
+        kernel = cls(s=s, hq=hq, page=page, num_splits=splits, q_dtype=qt, causal=causal, use_softcap=use_softcap)
+    else:
+        kernel = cls(s=s, hq=hq, page=page, num_splits=splits, tile_n=tile_n, stages=stages, q_dtype=qt,
+                     causal=causal, use_softcap=use_softcap)
     gmem = cute.AddressSpace.gmem
 
     def ptr(dt, align=4):
@@ -287,13 +314,13 @@ def _compiled_mla(key):
     pointers = dict(q_ptr=ptr(qt, 16), k_ptr=ptr(qt, 16), pt_ptr=ptr(Int32), seqlens_ptr=ptr(Int32),
                     kv_start_ptr=ptr(Int32), sinks_ptr=ptr(Float32), part_o_ptr=ptr(Float32),
                     part_l_ptr=ptr(Float32), out_ptr=ptr(qt, 2), lse_ptr=ptr(Float32))
-    return cute.compile(kernel, *_fake_args(MlaSplitKernel, pointers))
+    return cute.compile(kernel, *_fake_args(cls, pointers))
 
 
 def _mla_key(shapes, plan: dict, options: dict) -> tuple:
     return (shapes["q_len"], shapes["hq"], shapes["page_size"], plan["num_splits"], plan["block_n"],
             plan["num_stages"], shapes["q_dtype"], bool(options["causal"]) and shapes["q_len"] > 1,
-            float(options["softcap"]) > 0)
+            float(options["softcap"]) > 0, plan["num_warps"])
 
 
 def _extend_key(shapes, plan: dict, options: dict) -> tuple:
@@ -450,7 +477,7 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
 
 
 def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
-    """The MLA split kernel (mla.py) writes each split's partials into `scratch` and the Triton merge kernel
+    """The MLA split kernel (mla.py or mla_seesaw.py) writes each split's partials into `scratch` and the Triton merge kernel
     combines them (with the sink) into `out` and `lse`; with one split the kernel writes `out` and `lse`. V is
     read from K's tiles: v_cache must be k_cache's first 512 columns (the same storage, offset and strides),
     which is checked here (fail closed)."""
@@ -483,9 +510,7 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
     softcap = float(options["softcap"])
     stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     with torch.cuda.device(q.device):
-        from .mla import MlaSplitKernel
-
-        compiled(*_launch_args(MlaSplitKernel, dict(
+        compiled(*_launch_args(mla_kernel_class(plan["num_warps"]), dict(
             q_ptr=_ptr(q, 16), k_ptr=_ptr(k_cache, 16), pt_ptr=_ptr(pt, 4, torch.int32),
             seqlens_ptr=_ptr(tensors["cache_seqlens"], 4, torch.int32),
             kv_start_ptr=_ptr(kv_start if kv_start is not None else lse, 4, torch.int32),

@@ -111,3 +111,24 @@ def mla_storage(*, block_m: int, d: int, tile_n: int, stages: int):
         row_sum: Align[MemRange[Float32, 2 * block_m], 16]
 
     return SharedStorage
+
+
+@functools.cache
+def mla_seesaw_storage(*, block_m: int, d: int, tile_n: int):
+    """mla_seesaw.py's shared memory: the Q tile (block_m x d; its last 64 columns hold warpgroup 1's P once Q's
+    rope columns are in registers), two latent tiles (tile_n x d; V is the first 512 columns of each) and
+    warpgroup 0's P (block_m x tile_n), all 16-bit, 1024-byte aligned; one mbarrier per 128-byte slab of each
+    latent tile; the running row maxima, each warpgroup's published rescale factors and final row sums."""
+    assert tile_n * d * 2 % 1024 == 0, (tile_n, d)
+
+    @cute.struct
+    class SharedStorage:
+        q: Align[MemRange[Uint16, block_m * d], 1024]
+        kv: Align[MemRange[Uint16, 2 * tile_n * d], 1024]
+        p0: Align[MemRange[Uint16, block_m * tile_n], 1024]
+        mbar: MemRange[Int64, 2 * (d // 64)]
+        row_max: Align[MemRange[Float32, block_m], 16]
+        scale: Align[MemRange[Float32, 2 * block_m], 16]
+        row_sum: Align[MemRange[Float32, 2 * block_m], 16]
+
+    return SharedStorage
