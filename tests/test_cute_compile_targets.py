@@ -46,9 +46,10 @@ def _cases():
     for d, page, packed in itertools.product((64, 128), (1, 16, 64), (False, True)):
         grid.append((dict(q_len=512 if packed else 300, packed=packed, head_dim=d, page_size=page), {}))
     mla = dict(num_q_heads=128, num_kv_heads=1, head_dim=576, v_head_dim=512, v_in_k=True)
-    for q_len, heads, page, tiles in ((1, 128, 64, {}), (1, 16, 1, {}), (4, 16, 16, dict(block_n=64, num_stages=2)),
-                                      (2, 128, 128, dict(num_splits=1))):
-        grid.append((dict(mla, q_len=q_len, num_q_heads=heads, page_size=page), tiles))  # mla.py
+    seesaw = dict(block_n=64, num_stages=2, num_warps=8)  # mla_seesaw.py where the plan is mla.py
+    for q_len, heads, page, tiles in ((1, 128, 64, {}), (1, 16, 1, {}), (4, 16, 16, seesaw),
+                                      (2, 128, 128, dict(seesaw, num_splits=1)), (4, 16, 8, {})):
+        grid.append((dict(mla, q_len=q_len, num_q_heads=heads, page_size=page), tiles))  # mla(_seesaw).py
     cases = []
     for i, (kw, tiles) in enumerate(grid):
         p = _problem(**kw, kv_layout="HND" if i % 2 else "NHD")
@@ -67,8 +68,9 @@ CASES = _cases()
 def test_the_grid_reaches_every_kernel():
     modes = {(c[2].mode, c[2].block_m) for c in CASES}
     assert {("decode", 1), ("decode", 16), ("verify", 1), ("extend", 128)} <= modes, modes
-    assert ("decode", 64) in modes and ("verify", 64) in modes  # mla.py
-    assert {c[1].page_size for c in CASES} == {1, 16, 64, 128}  # cp.async only, TMA boxes of 16, 32 and 64
+    assert ("decode", 64) in modes and ("verify", 64) in modes  # mla.py, mla_seesaw.py
+    assert {(c[2].block_m, c[2].num_warps) for c in CASES if c[2].block_m == 64} == {(64, 8), (64, 12)}
+    assert {c[1].page_size for c in CASES} == {1, 8, 16, 64, 128}  # cp.async only, TMA boxes of 8 to 64
 
 
 @pytest.mark.parametrize("name,problem,plan,options", CASES, ids=[c[0] for c in CASES])
@@ -91,7 +93,6 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     from b12x_inductor import kernels, validate
     from b12x_inductor.kernels.cute.decode import SplitKernel
     from b12x_inductor.kernels.cute.extend import ExtendKernel
-    from b12x_inductor.kernels.cute.mla import MlaSplitKernel
     from b12x_inductor.kernels.triton import decode as triton_decode
     from tests.test_triton_kernels import make_inputs
 
@@ -109,7 +110,7 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
 
     monkeypatch.setattr(cute, "_compiled", lambda key: checking(SplitKernel))
     monkeypatch.setattr(cute, "_compiled_extend", lambda key: checking(ExtendKernel))
-    monkeypatch.setattr(cute, "_compiled_mla", lambda key: checking(MlaSplitKernel))
+    monkeypatch.setattr(cute, "_compiled_mla", lambda key: checking(cute.mla_kernel_class(key[-1])))
     monkeypatch.setattr(cute, "_check_aligned", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: mock.MagicMock(cuda_stream=0))
@@ -135,13 +136,14 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
         causal=True, scale=None, window_left=-1, kv_start=t["kv_start"], sinks=t["sinks"], softcap=0.0,
         k_descale=t["k_descale"], v_descale=t["v_descale"], out=None)
     problem = dataclasses.replace(problem, device_type="cuda", capability=(9, 0), sm_count=132)
-    plan = family_plan(problem, "cute", **(dict(num_splits=1) if case == "mla_verify_one_split" else {}))
+    plan = family_plan(problem, "cute", **(dict(num_splits=1, block_n=64, num_stages=2, num_warps=8)
+                                           if case == "mla_verify_one_split" else {}))  # the seesaw kernel
     q = t["q"]
     kernels.run(kernels.Call(
         **{k: t[k] for k in kernels.Call.INPUTS}, out=q.new_empty(q.shape[:-1] + t["v_cache"].shape[-1:]),
         lse=torch.empty(q.shape[:-1]), scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8),
         options=Options.of(q.shape[-1], kv_layout="NHD", causal=True, scale=None, window_left=-1, softcap=0.0),
         plan=plan))
-    expected = {"mla_decode": ["MlaSplitKernel", "merge"], "mla_verify_one_split": ["MlaSplitKernel"]}.get(
+    expected = {"mla_decode": ["MlaSplitKernel", "merge"], "mla_verify_one_split": ["MlaSeesawKernel"]}.get(
         case, ["ExtendKernel"] if plan.mode == "extend" else ["SplitKernel", "merge"])
     assert launched == expected

@@ -383,8 +383,9 @@ MLA = dict(hkv=1, d=576, dv=512, v_view=True)
 
 
 def test_cute_mla_supports_and_plans():
-    """mla.py takes absorbed MLA decode/verify with a 16-bit cache in q's dtype, V a view of K, no window; its
-    plans keep 64 rows per CTA, 4 stages of 32 keys in 223 KB, and write scratch only when they split."""
+    """The MLA kernels take absorbed MLA decode/verify with a 16-bit cache in q's dtype, V a view of K, no window;
+    their plans keep 64 rows per CTA (the seesaw kernel's two 64-key tiles or mla.py's 4 stages of 32 keys) and
+    write scratch only when they split."""
     from b12x_inductor.kernels import cute
     from b12x_inductor.kernels.cute import SMEM_LIMIT, mla_geometry
     from b12x_inductor.plan import family_plan, split_scratch_bytes
@@ -399,15 +400,25 @@ def test_cute_mla_supports_and_plans():
     assert not cute.supports(_problem(**mla, q_len=17))  # extend: Triton
     assert not cute.supports(_problem(**mla, key_mask=True))
     assert not cute.supports(_problem(**{**mla, "head_dim": 192, "v_head_dim": 128, "num_kv_heads": 8}))
-    for kw in (dict(batch=32), dict(batch=1, max_pages=512), dict(batch=128, max_pages=32),
-               dict(batch=32, q_len=4, num_q_heads=16)):
+    seesaw, ring = (64, 2, 8), (32, 4, 12)
+    # the seesaw kernel for 128 rows or more per request and splits of 1024 keys or more, mla.py's ring elsewhere
+    for kw, tile in ((dict(batch=32), seesaw), (dict(batch=128, max_pages=32), seesaw),
+                     (dict(batch=32, q_len=4), seesaw), (dict(batch=1, max_pages=512), ring),  # 64 splits of 512
+                     (dict(batch=32, q_len=4, num_q_heads=16), ring), (dict(batch=64, num_q_heads=16), ring)):
         p = _problem(**{**mla, **kw})
         plan = family_plan(p, "cute")
-        assert (plan.block_m, plan.block_n, plan.num_stages) == (64, 32, 4), plan
+        assert (plan.block_m, (plan.block_n, plan.num_stages, plan.num_warps)) == (64, tile), (kw, plan)
         assert plan.scratch_bytes == split_scratch_bytes(p, plan.num_splits), plan
         row_blocks = -(-(p.q_len * p.num_q_heads) // 64)
         assert p.batch * row_blocks * plan.num_splits <= 2 * 132 or plan.num_splits == 1, plan
     assert family_plan(_problem(**{**mla, "batch": 128, "max_pages": 32}), "cute").scratch_bytes == 0  # 1 split
+    for page, tile in ((1, ring), (48, ring), (8, seesaw), (16, seesaw), (256, seesaw)):  # seesaw: 64-key boxes
+        plan = family_plan(_problem(**{**mla, "batch": 32, "page_size": page, "max_pages": 4096 // page}), "cute")
+        assert (plan.block_n, plan.num_stages, plan.num_warps) == tile, (page, plan)
+    with pytest.raises(ValueError, match="seesaw MLA kernel"):
+        family_plan(_problem(**{**mla, "page_size": 1}), "cute", block_n=64, num_stages=2, num_warps=8)
+    with pytest.raises(ValueError, match="seesaw MLA kernel"):
+        family_plan(_problem(**{**mla, "batch": 32}), "cute", block_n=32, num_stages=4)  # the seesaw's warps
     for tile_n, stages in ((32, 4), (64, 2)):
         assert mla_geometry(tile_n=tile_n, stages=stages)["smem_bytes"] <= SMEM_LIMIT
     assert mla_geometry(tile_n=64, stages=3) is None and mla_geometry(tile_n=32, stages=5) is None
@@ -437,10 +448,12 @@ MLA_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES
     ("mla_verify_s8_h16_kv_start", dict(MLA, batch=2, q_len=8, hq=16, page_size=64, lens=[600, 70], kv_start=True,
                                         nan_unused=True), {}),
 ]
-# the plan; one split (the kernel writes out and lse itself, sink folded in); 3 splits (uneven ranges);
-# 64-key tiles in 2 stages
+# the plan (mla.py for these short requests: kernels/cute/plan.py's mla_plan); one split (the kernel writes out
+# and lse itself, sink folded in); 3 splits (uneven ranges); each kernel asked for: the seesaw kernel
+# (mla_seesaw.py, pages with 64-key TMA boxes only) and mla.py's ring of 32-key tiles
 MLA_VARIANTS = {"plan": {}, "one_split": dict(num_splits=1), "splits3": dict(num_splits=3),
-                "n64": dict(block_n=64, num_stages=2)}
+                "seesaw": dict(block_n=64, num_stages=2, num_warps=8),
+                "ring32": dict(block_n=32, num_stages=4, num_warps=12)}
 
 
 @pytest.mark.gpu
@@ -448,6 +461,10 @@ MLA_VARIANTS = {"plan": {}, "one_split": dict(num_splits=1), "splits3": dict(num
 @pytest.mark.parametrize("variant", list(MLA_VARIANTS))
 @pytest.mark.parametrize("name,kw,options", MLA_CASES, ids=[c[0] for c in MLA_CASES])
 def test_gpu_cute_mla_matches_reference(name, kw, options, variant):
+    from b12x_inductor.kernels.cute import tma_box
+
+    if variant == "seesaw" and not tma_box(page=kw["page_size"], tile_n=64):
+        pytest.skip("the seesaw kernel loads by TMA only (pages of 8 to 256 keys that divide 64 or that 64 divides)")
     options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
     t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000)
     out, lse, plan, _ = run_family(t, options, "cute", overrides=MLA_VARIANTS[variant])
@@ -458,7 +475,7 @@ def test_gpu_cute_mla_matches_reference(name, kw, options, variant):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("variant", ["plan", "one_split"])
+@pytest.mark.parametrize("variant", ["plan", "one_split", "seesaw"])
 @pytest.mark.parametrize("q_len,heads", [(1, 128), (4, 16)], ids=["decode_h128", "verify_h16"])
 def test_gpu_cute_mla_cuda_graph_replay(q_len, heads, variant):
     """Capture once; poison the outputs, change lengths and page tables in place, replay, compare."""

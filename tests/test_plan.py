@@ -218,8 +218,8 @@ bf16 packed T=16384          extend  cute   splits=1   m=128 n=128 warps=12 stag
 bf16 extend D=64 8192:1024   extend  cute   splits=1   m=128 n=128 warps=12 stages=4 scratch=0
 bf16 extend D=256            extend  triton splits=1   m=128 n=64  warps=8 stages=2 scratch=0
 fp8 extend 1x16384           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
-mla H128 decode 32x4096      decode  cute   splits=2   m=64  n=32  warps=12 stages=4 scratch=16809984 v_from_k
-mla H128 decode 64x4096      decode  cute   splits=1   m=64  n=32  warps=12 stages=4 scratch=0 v_from_k
+mla H128 decode 32x4096      decode  cute   splits=2   m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k
+mla H128 decode 64x4096      decode  cute   splits=1   m=64  n=64  warps=8 stages=2 scratch=0 v_from_k
 mla H128 decode 1x32768      decode  cute   splits=64  m=64  n=32  warps=12 stages=4 scratch=16809984 v_from_k
 mla H16 decode 1x32768       decode  cute   splits=128 m=64  n=32  warps=12 stages=4 scratch=4202496 v_from_k
 mla H16 verify 32x4096       verify  cute   splits=4   m=64  n=32  warps=12 stages=4 scratch=16809984 v_from_k

@@ -5,9 +5,11 @@ tiles of `block_n` keys; the split count is the Triton family's rule with the co
 measured with (CUTE_SPLITS). block_m 1 selects the CUDA-core kernel (decode.py), 16 (MMA_M) the tensor-core
 one (decode_mma.py), which takes float8 decode once a split spans at least MMA_MIN_SPLIT_KEYS of the keys a
 query can see (Problem.kv_span). Extend: 128 query rows (two consumer warpgroups) and a producer warpgroup,
-128-key tiles, as many stages as shared memory holds (extend_geometry). Absorbed MLA decode/verify (mla.py,
-block_m 64): 64 query rows per CTA, 4 stages of 32 keys, splits for about one CTA per SM (MLA_SPLITS). The
-choices and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL kernels" and "Session 27".
+128-key tiles, as many stages as shared memory holds (extend_geometry). Absorbed MLA decode/verify (block_m 64):
+64 query rows per CTA, splits for about one CTA per SM (MLA_SPLITS); the seesaw kernel (mla_seesaw.py, two
+64-key tiles, num_warps 8) for 128 query rows or more per request with long splits (mla_plan), else mla.py
+(4 stages of 32 keys). The choices and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL
+kernels", "Session 27" and "Session 29".
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ TILE = dict(block_m=1, block_n=64, num_stages=2, num_warps=4)
 MMA_TILE = dict(block_m=16, block_n=128, num_stages=2, num_warps=4)
 MMA_MIN_SPLIT_KEYS = 1024
 CUTE_SPLITS = dict(programs_per_sm=8, max_splits=64)  # the rule the family's decode was measured with
+MLA_SEESAW_TILE = dict(block_m=64, block_n=64, num_stages=2, num_warps=8)  # mla_seesaw.py: 2 x 64 keys, TMA
+SEESAW_MIN_ROWS = 128  # q_len x heads of a request; fewer (H16) are bound by bytes, where mla.py's ring is faster
+SEESAW_MIN_SPLIT_KEYS = 1024  # a split's keys; fewer (H128 1x32768: 512) and mla.py's ring is faster
 MLA_TILE = dict(block_m=64, block_n=32, num_stages=4, num_warps=12)  # mla.py: 64 rows, 4 stages of 32 keys
-MLA_SPLITS = dict(programs_per_sm=1, max_splits=128)  # one CTA fits an SM (223 KB of shared memory)
+MLA_SPLITS = dict(programs_per_sm=1, max_splits=128)  # one CTA fits an SM (223-226 KB of shared memory)
 
 
 def plan(problem: Problem, **tiles) -> Plan:
@@ -31,7 +36,15 @@ def plan(problem: Problem, **tiles) -> Plan:
     if "v_from_k" in tiles and bool(tiles["v_from_k"]) != mla:
         raise ValueError("paged_attention: the cute family's MLA kernel reads V from K's tiles, its other kernels "
                          f"load V themselves; v_from_k={tiles['v_from_k']} is the Triton family's")
-    return with_tiles(problem, _plan(problem), tiles, always_split=not mla)
+    out = with_tiles(problem, _plan(problem), tiles, always_split=not mla)
+    if mla and out.num_warps == MLA_SEESAW_TILE["num_warps"]:
+        from b12x_inductor.kernels.cute import tma_box
+
+        if (out.block_n, out.num_stages) != (64, 2) or tma_box(page=problem.page_size, tile_n=64) == 0:
+            raise ValueError("paged_attention: the cute family's seesaw MLA kernel (num_warps=8) takes 64-key tiles "
+                             "in 2 stages, by TMA (pages of 8 to 256 keys that divide 64 or that 64 divides); got "
+                             f"block_n={out.block_n}, num_stages={out.num_stages}, page_size={problem.page_size}")
+    return out
 
 
 def _plan(problem: Problem) -> Plan:
@@ -51,21 +64,30 @@ def _plan(problem: Problem) -> Plan:
 
 
 def mla_plan(problem: Problem) -> Plan:
-    """MLA decode/verify (mla.py): one CTA per (request, 64 query rows, split); splits bring the CTAs to about
-    one per SM."""
-    row_blocks = -(-(problem.q_len * problem.num_q_heads) // MLA_TILE["block_m"])
+    """MLA decode/verify: one CTA per (request, 64 query rows, split); splits bring the CTAs to about one per
+    SM. The seesaw kernel (mla_seesaw.py) where it measured faster than mla.py (h200.md, session 29): a
+    request's rows fill two row blocks or more (SEESAW_MIN_ROWS: bound by the tensor cores, not by bytes), each
+    split spans SEESAW_MIN_SPLIT_KEYS keys or more, and its 64-key tiles go by TMA; mla.py elsewhere (and for
+    pages without a box, which it gathers with cp.async). Both take 64 rows, so the split count is the same."""
+    from b12x_inductor.kernels.cute import tma_box
+
+    rows = problem.q_len * problem.num_q_heads
+    row_blocks = -(-rows // MLA_TILE["block_m"])
     splits = triton_num_splits(problem, problem.batch * row_blocks, **MLA_SPLITS)
-    return Plan(mode=problem.mode, family="cute", num_splits=splits, **MLA_TILE, v_from_k=True,
+    seesaw = (rows >= SEESAW_MIN_ROWS and problem.kv_span // splits >= SEESAW_MIN_SPLIT_KEYS
+              and tma_box(page=problem.page_size, tile_n=64) != 0)
+    tile = MLA_SEESAW_TILE if seesaw else MLA_TILE
+    return Plan(mode=problem.mode, family="cute", num_splits=splits, **tile, v_from_k=True,
                 scratch_bytes=split_scratch_bytes(problem, splits))  # one split writes out itself
 
 
 def measured_faster(problem: Problem) -> bool:
     """Where the CuTe family measured faster than Triton on the H200 (h200.md, "CuTe DSL kernels"): extend,
-    wherever the family expresses it (`supports`); absorbed MLA decode/verify (mla.py, a 16-bit cache) with
-    pages whose tiles go by TMA (the pages of 64 keys it was measured with; pages of 1 to 7 keys and others
-    without a box stay on Triton, unmeasured); and decode from a float8 cache with D = 128 and at most 4 query
-    heads per KV head. Other bf16 decode and verify stay on Triton (whose products run on tensor cores), as do
-    the decode configurations never measured (other head dims, larger groups)."""
+    wherever the family expresses it (`supports`); absorbed MLA decode/verify (mla.py and mla_seesaw.py, a
+    16-bit cache) with pages whose tiles go by TMA (the pages of 64 keys it was measured with; pages of 1 to 7
+    keys and others without a box stay on Triton, unmeasured); and decode from a float8 cache with D = 128 and
+    at most 4 query heads per KV head. Other bf16 decode and verify stay on Triton (whose products run on tensor
+    cores), as do the decode configurations never measured (other head dims, larger groups)."""
     if problem.mode == "extend":
         return True
     if problem.v_head_dim != problem.head_dim:  # MLA (mla.py): measured with pages of 64 keys (TMA boxes)
