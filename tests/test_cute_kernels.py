@@ -282,6 +282,24 @@ def test_cute_rejects_unaligned_cache_rows_with_a_clear_error():
     _check_aligned("v_cache", torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16), 64)
 
 
+def test_cute_mla_rejects_an_unaligned_out_with_one_split():
+    """With one split the MLA kernels store out's rows 16 bytes at a time: an out whose rows do not start on 16
+    bytes is refused by name before anything compiles or launches (with several splits the merge kernel
+    writes out, and it takes any)."""
+    pytest.importorskip("cuda.bindings.driver")
+    from b12x_inductor.kernels.cute import _run_mla
+
+    k_cache = torch.zeros(2, 64, 1, 576, dtype=torch.bfloat16)
+    tensors = dict(q=torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16), k_cache=k_cache, v_cache=k_cache[..., :512],
+                   page_table=torch.zeros(1, 2, dtype=torch.int32), cache_seqlens=torch.ones(1, dtype=torch.int32),
+                   kv_start=None, sinks=None, k_descale=None, v_descale=None)
+    out = torch.zeros(1 * 16 * 512 + 1, dtype=torch.bfloat16)[1:].view(1, 1, 16, 512)  # rows start 2 bytes in
+    lse = torch.zeros(1, 1, 16)
+    with pytest.raises(ValueError, match=r"needs out with 16-byte aligned rows .* got data_ptr % 16 = 2"):
+        _run_mla(tensors, out=out, lse=lse, scratch=None, options=dict(kv_layout="NHD", softcap=0.0),
+                 plan=dict(num_splits=1))
+
+
 def test_cute_geometry_fits_every_supported_problem():
     """The plan's tile fits the kernel (threads, shared memory) for every head dim, dtype and row count the
     family supports; larger tiles that do not fit are refused rather than launched."""

@@ -477,10 +477,10 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
 
 
 def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
-    """The MLA split kernel (mla.py or mla_seesaw.py) writes each split's partials into `scratch` and the Triton merge kernel
-    combines them (with the sink) into `out` and `lse`; with one split the kernel writes `out` and `lse`. V is
-    read from K's tiles: v_cache must be k_cache's first 512 columns (the same storage, offset and strides),
-    which is checked here (fail closed)."""
+    """The MLA split kernel (mla.py or mla_seesaw.py) writes each split's partials into `scratch` and the Triton
+    merge kernel combines them (with the sink) into `out` and `lse`; with one split the kernel writes `out` (rows
+    on 16 bytes: its stores are 16 bytes wide) and `lse`. V is read from K's tiles: v_cache must be k_cache's
+    first 512 columns (the same storage, offset and strides), which is checked here (fail closed)."""
     from cuda.bindings.driver import CUstream
     from cutlass import Float32, Int32, Int64
 
@@ -501,9 +501,11 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
     page, _ = cache_dims(k_cache.shape, layout)
     _check_aligned("q", q, MLA_D)
     _check_aligned("k_cache", k_cache, MLA_D)
+    splits = plan["num_splits"]
+    if splits == 1:
+        _check_aligned("out", out, MLA_DV)  # one split: the kernel writes out's rows in 16-byte stores
     shapes = dict(q_len=s, hq=hq, page_size=page, q_dtype=q.dtype)
     compiled = _compiled_mla(_mla_key(shapes, plan, options))
-    splits = plan["num_splits"]
     part_o, part_l = split_partials(scratch, batch * s * hq * splits, MLA_DV) if splits > 1 else (lse, lse)
     kp, ko, _ = _cache_strides(k_cache.stride(), layout)
     kv_start, sinks = tensors["kv_start"], tensors["sinks"]

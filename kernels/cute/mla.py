@@ -39,6 +39,9 @@ through `sm90_utils.make_smem_layout_a/b`, the V and P views with the ring's sta
 With several splits every CTA writes its normalized partial output and log2-sum-exp in the layout of the Triton
 family's scratch ([rows, splits, 512] and [rows, splits]) and the Triton merge kernel combines the splits with
 the sink into `out` and `lse`; with one split the CTA writes `out` and `lse` itself (no scratch, no merge).
+Either output leaves through the ring, free by then: each thread stores its scaled fragment pairs into rows of
+512 values (16-byte chunks swizzled by row % 8), then every thread copies whole 16-byte chunks out, so each
+warp writes 512 contiguous bytes per instruction (`out`'s rows must start on 16 bytes: _run_mla checks).
 The split's key range is computed on the device from the live length (clamped: `live_range`, page ids by
 `PageRow`), so one compiled kernel serves every length.
 """
@@ -60,6 +63,7 @@ from b12x_inductor.kernels.cute import MLA_DV as DV
 from b12x_inductor.kernels.cute import mla_geometry, tma, tma_box
 from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
                                                live_range, release_phase, split_keys, stage_phase)
+from b12x_inductor.kernels.cute.ptx import pack2
 from b12x_inductor.kernels.cute.softmax import online_softmax
 
 THREADS = 384  # producer warpgroup + two consumer warpgroups
@@ -284,12 +288,24 @@ class MlaSplitKernel:
                 sL[wgc, t_co[2 * rh][0]] = l_r
         cute.arch.barrier(barrier_id=SUM_BAR, number_of_threads=256)
         ONE = const_expr(self.num_splits == 1)
-        out_rows = cute.make_tensor(part_o_ptr, cute.make_layout((1 << 40,)))
         lses = cute.make_tensor(part_l_ptr, cute.make_layout((1 << 40,)))
         if const_expr(ONE):
-            out_rows = cute.make_tensor(out_ptr, cute.make_layout((1 << 40,)))
             lses = cute.make_tensor(lse_ptr, cute.make_layout((1 << 40,)))
         NO_ELEMS = const_expr(cute.size(acc_o))
+        # O goes out through the ring (free: every product that read it is done, SUM_BAR above): each thread
+        # writes its scaled pairs into rows of DV values, 16-byte chunks swizzled by row % 8 (conflict-free), then
+        # the 256 threads copy whole 16-byte chunks out, each warp 512 contiguous bytes of a row (the fragment's
+        # own stores would touch 8 rows of 8 bytes each per instruction).
+        ODT = self.dtype
+        if const_expr(not ONE):
+            ODT = Float32
+        EPC = const_expr(128 // ODT.width)  # elements per 16-byte chunk: 8 (16-bit out) or 4 (fp32 partials)
+        CPR = const_expr(DV // EPC)  # chunks per row
+        ring = cute.recast_ptr(storage.kv.data_ptr(), dtype=ODT)
+        s_o = cute.make_tensor(ring, cute.make_layout((BLOCK_M, CPR, EPC), stride=(DV, EPC, 1)))
+        s_w = cute.make_tensor(cute.recast_ptr(ring, dtype=Uint32),
+                               cute.make_layout((BLOCK_M, CPR, EPC * ODT.width // 32), stride=(DV * ODT.width // 32,
+                                                                                              EPC * ODT.width // 32, 1)))
         for rh in cutlass.range_constexpr(2):
             row = t_co[2 * rh][0]
             r = rb * BLOCK_M + row
@@ -312,25 +328,55 @@ class MlaSplitKernel:
                 if seen:
                     f = Float32(1.0) / l_r
                     lse = m_r + cute.math.log2(l_r)
+            for e in cutlass.range_constexpr(0, NO_ELEMS, 2):  # e, e + 1: adjacent columns of one row
+                if const_expr((e // 2) % 2 == rh):
+                    col = wgc * HALF + t_co[e][1]
+                    ch = (col // EPC) ^ (row % 8)
+                    if const_expr(ONE):
+                        s_w[row, ch, (col % EPC) // 2] = pack2(acc_o[e] * f, acc_o[e + 1] * f,
+                                                                bf16=self.dtype == cutlass.BFloat16)
+                    else:
+                        s_o[row, ch, col % EPC] = acc_o[e] * f
+                        s_o[row, ch, col % EPC + 1] = acc_o[e + 1] * f
             if r < self.rows:
                 part = Int64(b) * self.rows + Int64(r)
                 if const_expr(not ONE):
                     part = part * self.num_splits + Int64(split)
-                base = part * DV + wgc * HALF
-                for e in cutlass.range_constexpr(NO_ELEMS):
-                    if const_expr((e // 2) % 2 == rh):
-                        if const_expr(ONE):
-                            out_rows[base + Int64(t_co[e][1])] = (acc_o[e] * f).to(self.dtype)
-                        else:
-                            out_rows[base + Int64(t_co[e][1])] = acc_o[e] * f
                 if (wgc == 0) & (lt % 4 == 0):
                     lses[part] = lse
+        cute.arch.barrier(barrier_id=SUM_BAR, number_of_threads=256)
+        ctid = wgc * 128 + lt
+        o_base = part_o_ptr.toint()
+        if const_expr(ONE):
+            o_base = out_ptr.toint()
+        chunk = cute.make_rmem_tensor((EPC,), ODT)
+        for i in cutlass.range_constexpr(BLOCK_M * CPR // 256):
+            e = ctid + i * 256
+            row = e // CPR
+            ch = e % CPR
+            r = rb * BLOCK_M + row
+            if r < self.rows:
+                part = Int64(b) * self.rows + Int64(r)
+                if const_expr(not ONE):
+                    part = part * self.num_splits + Int64(split)
+                cute.autovec_copy(s_o[row, ch ^ (row % 8), None], chunk)
+                addr = o_base + (part * DV + ch * EPC) * (ODT.width // 8)
+                dst = cute.make_tensor(cute.make_ptr(ODT, addr, cute.AddressSpace.gmem, assumed_align=16),
+                                       cute.make_layout((EPC,)))
+                cute.autovec_copy(chunk, dst)
 
     @cute.jit
     def _load_q(self, q_ptr: cute.Pointer, b: Int32, rb: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64, ctid: Int32,
                 q_tile: cute.Pointer):
         """The CTA's 64 query rows -> shared memory by cp.async (both consumers; zeros past the request's rows),
-        then a barrier of both consumers: Q is in place for their wgmma."""
+        then a barrier of both consumers: Q is in place for their wgmma (_issue_q, then _wait_q)."""
+        self._issue_q(q_ptr, b, rb, q_sb, q_ss, q_sh, ctid, q_tile)
+        self._wait_q()
+
+    @cute.jit
+    def _issue_q(self, q_ptr: cute.Pointer, b: Int32, rb: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64, ctid: Int32,
+                 q_tile: cute.Pointer):
+        """_load_q's copies, as one cp.async group (its threads' 256 ids: ctid)."""
         dt = self.dtype
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
                                    num_bits_per_copy=128)
@@ -351,6 +397,10 @@ class MlaSplitKernel:
                 for k in cutlass.range_constexpr(8):
                     dst[k] = dt(0.0)
         cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _wait_q(self):
+        """The wait for _issue_q's group (the calling thread's only one in flight), then the barrier of the 256."""
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=Q_BAR, number_of_threads=256)

@@ -26,7 +26,10 @@ a = 2r, in buffer 0, scored by warpgroup 0, and b = 2r + 1, in buffer 1, by warp
   order the other warpgroup's reads before them): buffer 0's slabs 0-3 (V_a's left half) by warpgroup 0 after
   its P_a V_a; buffer 1's slabs 0-3 by warpgroup 0 after its P_b V_b; buffer 1's slabs 4-8 by warpgroup 1
   after its P_b V_b; buffer 0's slabs 4-8 by warpgroup 1 after its P_a V_a. Each warpgroup's next scores take
-  first the slabs it refilled itself (warpgroup 0: 0-3 then 4-8, warpgroup 1: 4-8 then 0-3).
+  first the slabs it refilled itself (warpgroup 0: 0-3 then 4-8, warpgroup 1: 4-8 then 0-3). The page ids of
+  a round's refills are read at the round's start (`_round_pages`), so the page table's latency is not added
+  to theirs; Q's copies are issued before anything else (its address needs no load), waited for after the
+  first two tiles' loads.
 - TMA always (`tma_box(page, 64)`: pages of 8 to 256 keys that divide 64 or that 64 divides; the plan keeps
   other pages on mla.py): one copy per box of min(page, 64) keys and slab, issued by warp 0 of a warpgroup.
   A tile that reaches outside [kv_start, length) loads whole boxes (page ids clamped to the last live key's
@@ -119,6 +122,7 @@ class MlaSeesawKernel(MlaSplitKernel):
         p0_tile = cute.recast_ptr(storage.p0.data_ptr(), dtype=dt)
         p1_tile = q_tile + (SLABS - 1) * SLAB  # Q's rope slab, free once r_q8 holds it
 
+        self._issue_q(q_ptr, b, rb, q_sb, q_ss, q_sh, tidx, q_tile)  # first: Q's address needs no load
         if tidx == 0:
             for i in cutlass.range_constexpr(2 * SLABS):
                 cute.arch.mbarrier_init(mbar + i, 1)  # the issuing lane's arrive with expect-tx
@@ -131,13 +135,14 @@ class MlaSeesawKernel(MlaSplitKernel):
         pt_row = PageRow(pt_ptr, pt_sb, b, num_pages)
 
         # the first two tiles, all their slabs, by warp 0 of warpgroup 0, before Q is waited for
+        ctx = dict(lt=lt, s_lo=s_lo, length=length, pt_row=pt_row, mbar=mbar, ring=ring, tma_k=tma_k, m_k=m_k)
         if tidx < 32:
             cpasync.prefetch_descriptor(tma_k)
             if n_tiles >= 1:
-                self._load(tidx, s_lo, length, Int32(0), 0, SLABS, pt_row, mbar, ring, tma_k, m_k)
+                self._refill(ctx, Int32(0), 0, 0, SLABS, self._page_ids(ctx, Int32(0)))
             if n_tiles >= 2:
-                self._load(tidx, s_lo + TILE_N, length, Int32(1), 0, SLABS, pt_row, mbar, ring, tma_k, m_k)
-        self._load_q(q_ptr, b, rb, q_sb, q_ss, q_sh, tidx, q_tile)
+                self._refill(ctx, Int32(1), 1, 0, SLABS, self._page_ids(ctx, Int32(1)))
+        self._wait_q()
 
         # ---- the operands' shared-memory views and fragments ----
         lq = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, TILE_N, D), dt, 1)
@@ -196,9 +201,8 @@ class MlaSeesawKernel(MlaSplitKernel):
         full_hi = s_hi
         if const_expr(self.causal):
             full_hi = cutlass.min(full_hi, length - self.s + 1)
-        ctx = dict(tidx=tidx, lt=lt, s_lo=s_lo, s_hi=s_hi, start=start, length=length, full_hi=full_hi,
-                   n_tiles=n_tiles, k_scale=k_scale, softcap=softcap, pt_row=pt_row, mbar=mbar, ring=ring,
-                   tma_k=tma_k, m_k=m_k)
+        ctx.update(tidx=tidx, s_hi=s_hi, start=start, full_hi=full_hi, n_tiles=n_tiles, k_scale=k_scale,
+                   softcap=softcap)
 
         # ---- the first round's scores ----
         # (each wgmma is waited for inside the region that issued it: a wait after a run-time branch lets the
@@ -257,6 +261,7 @@ class MlaSeesawKernel(MlaSplitKernel):
         lt = ctx["lt"]
         has_b, has_a2, has_b2 = flags
         j_a = ctx["s_lo"] + a * TILE_N
+        pg_a2, pg_b2 = self._round_pages(ctx, a, has_a2, has_b2)
         # softmax of S_a against the chain's last max (warpgroup 1's of the previous round)
         if r > 0:
             for rh in cutlass.range_constexpr(2):
@@ -277,7 +282,7 @@ class MlaSeesawKernel(MlaSplitKernel):
         warpgroup.wait_group(0)
         cute.arch.barrier(barrier_id=SCALE1_BAR, number_of_threads=256)
         if const_expr(has_a2):  # buffer 0's slabs 0-3: their readers (S_a, P_a V_a) are done
-            self._refill(ctx, a + 2, 0, 0, 4)
+            self._refill(ctx, a + 2, 0, 0, 4, pg_a2)
         # P_a to b's max, published for warpgroup 1
         if const_expr(has_b):
             for rh in cutlass.range_constexpr(2):
@@ -303,7 +308,7 @@ class MlaSeesawKernel(MlaSplitKernel):
             self._scores(acc_s, tSrQ, tSrK, tSrK_r, t_rq8, 0, (a + 2) // 2, (0, 1, 2, 3), ctx["mbar"])
         if const_expr(has_b2):  # buffer 1's slabs 0-3, once P_b V_b is done
             warpgroup.wait_group(1)
-            self._refill(ctx, a + 3, 1, 0, 4)
+            self._refill(ctx, a + 3, 1, 0, 4, pg_b2)
         if const_expr(has_a2):
             self._scores(acc_s, tSrQ, tSrK, tSrK_r, t_rq8, 0, (a + 2) // 2, (4, 5, 6, 7, 8), ctx["mbar"],
                          first=False)
@@ -317,6 +322,7 @@ class MlaSeesawKernel(MlaSplitKernel):
         has_b, has_a2, has_b2 = flags
         j_a = ctx["s_lo"] + a * TILE_N
         lt = ctx["lt"]
+        pg_a2, pg_b2 = self._round_pages(ctx, a, has_a2, has_b2)
         # after warpgroup 0's softmax of S_a: O and the sums to a's max, then the softmax of S_b against it
         cute.arch.barrier(barrier_id=SCALE0_BAR, number_of_threads=256)
         a0 = cute.make_rmem_tensor((2,), Float32)
@@ -354,10 +360,10 @@ class MlaSeesawKernel(MlaSplitKernel):
             cute.arch.barrier_arrive(barrier_id=P1_BAR, number_of_threads=256)
         if const_expr(has_b2):  # buffer 1's slabs 4-8: their readers (S_b, P_b V_b) are done
             warpgroup.wait_group(1)
-            self._refill(ctx, a + 3, 1, 4, SLABS)
+            self._refill(ctx, a + 3, 1, 4, SLABS, pg_b2)
         if const_expr(has_a2):  # buffer 0's slabs 4-8: S_a (warpgroup 0, before SCALE0) and P_a V_a are done
             warpgroup.wait_group(0)
-            self._refill(ctx, a + 2, 0, 4, SLABS)
+            self._refill(ctx, a + 2, 0, 4, SLABS, pg_a2)
         # S_b' (tile b + 2): slabs 4-8 (refilled above), then 0-3 (by warpgroup 0)
         if const_expr(has_b2):
             self._scores(acc_s, tSrQ, tSrK, tSrK_r, t_rq8, 1, (a + 3) // 2, (4, 5, 6, 7, 8, 0, 1, 2, 3),
@@ -421,27 +427,48 @@ class MlaSeesawKernel(MlaSplitKernel):
         warpgroup.commit_group()
 
     @cute.jit
-    def _refill(self, ctx: dict, t: Int32, buf: cutlass.Constexpr, s0: cutlass.Constexpr, s1: cutlass.Constexpr):
-        """Tile t's slabs s0 .. s1 - 1 into buffer `buf` (t % 2), by warp 0 of the calling warpgroup."""
-        if ctx["lt"] < 32:
-            self._load(ctx["lt"], ctx["s_lo"] + t * TILE_N, ctx["length"], Int32(buf), s0, s1, ctx["pt_row"],
-                       ctx["mbar"], ctx["ring"], ctx["tma_k"], ctx["m_k"])
+    def _page_ids(self, ctx: dict, t: Int32):
+        """Lane i < (box rows of a tile) of warp 0 (of either warpgroup: `lt`): the page id of tile t's box row i,
+        clamped to the last live key's page; 0 elsewhere. Read at the start of the round whose refill uses it,
+        so the page table's latency is not added to the refill's."""
+        BOX = const_expr(self.box)
+        page = Int32(0)
+        if ctx["lt"] < TILE_N // BOX:
+            key = cutlass.min(ctx["s_lo"] + t * TILE_N + ctx["lt"] * BOX, ctx["length"] - 1)
+            page = ctx["pt_row"][key // self.page]
+        return page
 
     @cute.jit
-    def _load(self, lane: Int32, j0: Int32, length: Int32, buf: Int32, s0: cutlass.Constexpr, s1: cutlass.Constexpr,
-              pt_row, mbar: cute.Pointer, ring: cute.Pointer, tma_k, m_k):
+    def _round_pages(self, ctx: dict, a: Int32, has_a2: cutlass.Constexpr, has_b2: cutlass.Constexpr):
+        """The page ids of the round's refills (tiles a + 2 and a + 3, where they exist), read at its start."""
+        pg_a2 = Int32(0)
+        pg_b2 = Int32(0)
+        if const_expr(has_a2):
+            pg_a2 = self._page_ids(ctx, a + 2)
+        if const_expr(has_b2):
+            pg_b2 = self._page_ids(ctx, a + 3)
+        return pg_a2, pg_b2
+
+    @cute.jit
+    def _refill(self, ctx: dict, t: Int32, buf: cutlass.Constexpr, s0: cutlass.Constexpr, s1: cutlass.Constexpr,
+                page: Int32):
+        """Tile t's slabs s0 .. s1 - 1 into buffer `buf` (t % 2), by warp 0 of the calling warpgroup; `page`:
+        _page_ids(t)."""
+        if ctx["lt"] < 32:
+            self._load(ctx["lt"], ctx["s_lo"] + t * TILE_N, Int32(buf), s0, s1, page, ctx["mbar"], ctx["ring"],
+                       ctx["tma_k"], ctx["m_k"])
+
+    @cute.jit
+    def _load(self, lane: Int32, j0: Int32, buf: Int32, s0: cutlass.Constexpr, s1: cutlass.Constexpr, page: Int32,
+              mbar: cute.Pointer, ring: cute.Pointer, tma_k, m_k):
         """One warp's TMA copies of slabs s0 .. s1 - 1 of the tile at key j0 into buffer `buf`: lane 0 arms each
-        slab's barrier with its 8 KB, then each box row (min(page, 64) keys of one page; lane i reads box row
-        i's page id, clamped to the last live key's page, and shuffles it) goes slab by slab."""
+        slab's barrier with its 8 KB, then each box row (min(page, 64) keys of one page; lane i holds box row
+        i's page id, `page`, and shuffles it) goes slab by slab."""
         BOX = const_expr(self.box)
         ROWS = const_expr(TILE_N // BOX)
         if lane == 0:
             for sl in cutlass.range_constexpr(s0, s1):
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar + buf * SLABS + sl, SLAB_BYTES)
-        page = Int32(0)
-        if lane < ROWS:
-            key = cutlass.min(j0 + lane * BOX, length - 1)
-            page = pt_row[key // self.page]
         for rbox in cutlass.range(ROWS, unroll=1):  # unrolled, 8 rows x 9 slabs of coordinates spill at page 8
             p = cute.arch.shuffle_sync(page, rbox)
             for sl in cutlass.range_constexpr(s0, s1):
