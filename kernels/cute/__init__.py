@@ -179,7 +179,7 @@ def mla_seesaw_geometry() -> dict:
     tile (`storage`: storage.mla_seesaw_storage; `smem_bytes` its size, within SMEM_LIMIT)."""
     from .storage import mla_seesaw_storage
 
-    storage = mla_seesaw_storage(block_m=MLA_BLOCK_M, d=MLA_D, tile_n=64)
+    storage = mla_seesaw_storage(block_m=MLA_BLOCK_M, d=MLA_D, tile_n=_plan.MLA_SEESAW_TILE["block_n"])
     smem_bytes = storage.size_in_bytes()
     assert smem_bytes <= SMEM_LIMIT, smem_bytes
     return dict(storage=storage, smem_bytes=smem_bytes)
@@ -280,7 +280,7 @@ def _compiled_extend(key):
 def mla_kernel_class(num_warps: int):
     """The MLA kernel a plan names by its warps: 8, the seesaw kernel (mla_seesaw.py: 64-key tiles, two
     buffers, TMA only); 12, mla.py's (a producer warpgroup, a ring of 32-key tiles, cp.async where TMA cannot)."""
-    if num_warps == 8:
+    if num_warps == _plan.MLA_SEESAW_TILE["num_warps"]:
         from .mla_seesaw import MlaSeesawKernel
 
         return MlaSeesawKernel
@@ -300,12 +300,8 @@ def _compiled_mla(key):
     s, hq, page, splits, tile_n, stages, q_dtype, causal, use_softcap, warps = key
     qt = _cutlass_dtype(q_dtype)
     cls = mla_kernel_class(warps)
-    if warps == 8:
-        assert (tile_n, stages) == (64, 2), key
-        kernel = cls(s=s, hq=hq, page=page, num_splits=splits, q_dtype=qt, causal=causal, use_softcap=use_softcap)
-    else:
-        kernel = cls(s=s, hq=hq, page=page, num_splits=splits, tile_n=tile_n, stages=stages, q_dtype=qt,
-                     causal=causal, use_softcap=use_softcap)
+    kernel = cls(s=s, hq=hq, page=page, num_splits=splits, tile_n=tile_n, stages=stages, q_dtype=qt,
+                 causal=causal, use_softcap=use_softcap)
     gmem = cute.AddressSpace.gmem
 
     def ptr(dt, align=4):

@@ -79,7 +79,9 @@ RESCALE_LOG2 = 8.0  # the running max moves only by more than 2^8 (online_softma
 
 
 class MlaSplitKernel:
-    """The MLA split kernel for one set of compile-time constants (see `mla_geometry` in __init__.py)."""
+    """The MLA split kernel for one set of compile-time constants (see `mla_geometry` in __init__.py). Its host
+    launch (`__call__`: the TMA atom where pages have a box, then the grid) serves the seesaw kernel too, with
+    that kernel's `threads`."""
 
     def __init__(self, *, s: int, hq: int, page: int, num_splits: int, tile_n: int, stages: int, q_dtype,
                  causal: bool, use_softcap: bool):
@@ -92,6 +94,7 @@ class MlaSplitKernel:
         self.rows = s * hq  # query rows of one request
         self.row_blocks = -(-self.rows // BLOCK_M)
         self.box = tma_box(page=page, tile_n=tile_n)
+        self.threads = THREADS
 
     @cute.jit
     def __call__(
@@ -108,7 +111,7 @@ class MlaSplitKernel:
             q_ptr, k_ptr, pt_ptr, seqlens_ptr, kv_start_ptr, sinks_ptr, part_o_ptr, part_l_ptr, out_ptr, lse_ptr,
             q_sb, q_ss, q_sh, k_sp, k_so, pt_sb, has_kv_start, has_sinks, sm_scale, softcap, max_pages * self.page,
             k_pages, tma_k, m_k,
-        ).launch(grid=(self.num_splits, self.row_blocks, batch), block=(THREADS, 1, 1), smem=self.smem_bytes,
+        ).launch(grid=(self.num_splits, self.row_blocks, batch), block=(self.threads, 1, 1), smem=self.smem_bytes,
                  stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel

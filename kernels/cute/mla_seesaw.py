@@ -70,11 +70,14 @@ P0_BAR, P1_BAR = 3, 4  # P_a (warpgroup 0) / P_b (warpgroup 1) is in shared memo
 
 class MlaSeesawKernel(MlaSplitKernel):
     """The seesaw MLA kernel for one set of compile-time constants. It shares mla.py's Q load, epilogue and
-    host-side launch; `tile_n` is 64 and `stages` 2 (kernels/cute/__init__.py: mla_seesaw_geometry)."""
+    host-side launch (`MlaSplitKernel.__call__`, with THREADS); `tile_n` must be 64 and `stages` 2
+    (plan.MLA_SEESAW_TILE; kernels/cute/__init__.py: mla_seesaw_geometry)."""
 
-    def __init__(self, *, s: int, hq: int, page: int, num_splits: int, q_dtype, causal: bool, use_softcap: bool):
+    def __init__(self, *, s: int, hq: int, page: int, num_splits: int, tile_n: int, stages: int, q_dtype,
+                 causal: bool, use_softcap: bool):
         from b12x_inductor.kernels.cute import mla_seesaw_geometry
 
+        assert (tile_n, stages) == (TILE_N, 2), "the seesaw kernel's tile is 2 buffers of 64 keys"
         self.s, self.hq, self.page, self.num_splits = s, hq, page, num_splits
         self.tile_n, self.stages, self.dtype = TILE_N, 2, q_dtype
         self.causal, self.use_softcap = causal, use_softcap
@@ -83,23 +86,8 @@ class MlaSeesawKernel(MlaSplitKernel):
         self.rows = s * hq
         self.row_blocks = -(-self.rows // BLOCK_M)
         self.box = tma_box(page=page, tile_n=TILE_N)
+        self.threads = THREADS
         assert self.box != 0, "the seesaw kernel loads every tile by TMA (the plan keeps other pages on mla.py)"
-
-    @cute.jit
-    def __call__(
-        self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, pt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
-        kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
-        out_ptr: cute.Pointer, lse_ptr: cute.Pointer, batch: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64,
-        k_sp: Int64, k_so: Int64, pt_sb: Int64, has_kv_start: Int32, has_sinks: Int32, sm_scale: Float32,
-        softcap: Float32, k_pages: Int32, max_pages: Int32, stream,
-    ):
-        tma_k, m_k = tma.cache_tma(k_ptr, k_pages, k_sp, k_so, k_so, page=self.page, d=D, hkv=1, box=self.box)
-        self.kernel(
-            q_ptr, k_ptr, pt_ptr, seqlens_ptr, kv_start_ptr, sinks_ptr, part_o_ptr, part_l_ptr, out_ptr, lse_ptr,
-            q_sb, q_ss, q_sh, k_sp, k_so, pt_sb, has_kv_start, has_sinks, sm_scale, softcap, max_pages * self.page,
-            k_pages, tma_k, m_k,
-        ).launch(grid=(self.num_splits, self.row_blocks, batch), block=(THREADS, 1, 1), smem=self.smem_bytes,
-                 stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(

@@ -40,7 +40,8 @@ def plan(problem: Problem, **tiles) -> Plan:
     if mla and out.num_warps == MLA_SEESAW_TILE["num_warps"]:
         from b12x_inductor.kernels.cute import tma_box
 
-        if (out.block_n, out.num_stages) != (64, 2) or tma_box(page=problem.page_size, tile_n=64) == 0:
+        tile_n, stages = MLA_SEESAW_TILE["block_n"], MLA_SEESAW_TILE["num_stages"]
+        if (out.block_n, out.num_stages) != (tile_n, stages) or tma_box(page=problem.page_size, tile_n=tile_n) == 0:
             raise ValueError("paged_attention: the cute family's seesaw MLA kernel (num_warps=8) takes 64-key tiles "
                              "in 2 stages, by TMA (pages of 8 to 256 keys that divide 64 or that 64 divides); got "
                              f"block_n={out.block_n}, num_stages={out.num_stages}, page_size={problem.page_size}")
@@ -75,7 +76,7 @@ def mla_plan(problem: Problem) -> Plan:
     row_blocks = -(-rows // MLA_TILE["block_m"])
     splits = triton_num_splits(problem, problem.batch * row_blocks, **MLA_SPLITS)
     seesaw = (rows >= SEESAW_MIN_ROWS and problem.kv_span // splits >= SEESAW_MIN_SPLIT_KEYS
-              and tma_box(page=problem.page_size, tile_n=64) != 0)
+              and tma_box(page=problem.page_size, tile_n=MLA_SEESAW_TILE["block_n"]) != 0)
     tile = MLA_SEESAW_TILE if seesaw else MLA_TILE
     return Plan(mode=problem.mode, family="cute", num_splits=splits, **tile, v_from_k=True,
                 scratch_bytes=split_scratch_bytes(problem, splits))  # one split writes out itself
