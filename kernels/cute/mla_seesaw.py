@@ -211,27 +211,9 @@ class MlaSeesawKernel(MlaSplitKernel):
         args = (acc_s, acc_o, r_p, t_rp, t_rq8, tSrQ, tSrK, tSrK_r, tOrV, tOrV_r, t_cs, m_run, l_run, alpha, limit,
                 sM, sA)
         if wgc == 0:
-            x0 = (tOrP1, t_sp0)
-            for r in cutlass.range(n_steady, unroll=1):
-                self._round0(ctx, r, (True, True, True), *x0, *args)
-            if n_tiles % 2 == 0:
-                if n_tiles >= 2:
-                    self._round0(ctx, n_steady, (True, False, False), *x0, *args)
-            else:
-                if n_tiles >= 3:
-                    self._round0(ctx, n_steady, (True, True, False), *x0, *args)
-                self._round0(ctx, n_tiles // 2, (False, False, False), *x0, *args)
+            self._rounds(ctx, self._round0, n_steady, (tOrP1, t_sp0), args)
         else:
-            x1 = (tOrP0, t_sp1)
-            for r in cutlass.range(n_steady, unroll=1):
-                self._round1(ctx, r, (True, True, True), *x1, *args)
-            if n_tiles % 2 == 0:
-                if n_tiles >= 2:
-                    self._round1(ctx, n_steady, (True, False, False), *x1, *args)
-            else:
-                if n_tiles >= 3:
-                    self._round1(ctx, n_steady, (True, True, False), *x1, *args)
-                self._round1(ctx, n_tiles // 2, (False, False, False), *x1, *args)
+            self._rounds(ctx, self._round1, n_steady, (tOrP0, t_sp1), args)
         # the chain's last max (written by a quad's first lane: a barrier before the other lanes read it)
         cute.arch.barrier(barrier_id=SUM_BAR, number_of_threads=256)
         if n_tiles >= 1:
@@ -239,6 +221,21 @@ class MlaSeesawKernel(MlaSplitKernel):
                 m_run[rh] = sM[t_co[2 * rh][0]]
         self._epilogue(acc_o, t_co, m_run, l_run, storage, b, rb, split, wgc, lt, sinks_ptr, has_sinks,
                        part_o_ptr, part_l_ptr, out_ptr, lse_ptr)
+
+    @cute.jit
+    def _rounds(self, ctx: dict, round_fn: cutlass.Constexpr, n_steady: Int32, own: tuple, args: tuple):
+        """One warpgroup's rounds (`round_fn`: _round0 or _round1; `own`: its P view and P store fragment): the
+        steady ones, then the tail for the tile count's parity."""
+        n_tiles = ctx["n_tiles"]
+        for r in cutlass.range(n_steady, unroll=1):
+            round_fn(ctx, r, (True, True, True), *own, *args)
+        if n_tiles % 2 == 0:
+            if n_tiles >= 2:
+                round_fn(ctx, n_steady, (True, False, False), *own, *args)
+        else:
+            if n_tiles >= 3:
+                round_fn(ctx, n_steady, (True, True, False), *own, *args)
+            round_fn(ctx, n_tiles // 2, (False, False, False), *own, *args)
 
     @cute.jit
     def _round0(self, ctx: dict, r: Int32, flags: cutlass.Constexpr, tOrP1, t_sp0, acc_s, acc_o, r_p, t_rp, t_rq8,
