@@ -39,6 +39,7 @@ def paged_attention(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
+    q_pe: torch.Tensor | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
 ):
@@ -70,6 +71,10 @@ def paged_attention(
             (one row per request), q [B, S, Hq, D] only; any strides. Key j is visible to query i only where
             key_mask[b, i, j] (or [b, 0, j]) is True, on top of the range, causal and window rules: an
             attention mask whose values only the device knows (a padding mask), read by the kernel.
+        q_pe: absorbed MLA's query in two tensors (D = 576 only): q [.., Hq, 512] its first 512 columns and
+            q_pe [.., Hq, 64] (q's leading dims, dtype and device; last dim contiguous, any other strides) the
+            rope part; the query is cat(q, q_pe, dim=-1), which the kernels read from the two tensors in
+            place (`mla_attention` passes its q_nope and q_pe so). The default scale is then 576 ** -0.5.
         return_lse: also return lse, float32 [B, S, Hq] or [T, Hq], natural log, sink included.
         out: optional contiguous output of q's shape with Dv as its last dim ([B, S, Hq, Dv] or [T, Hq, Dv])
             and q's dtype, written in place.
@@ -85,7 +90,8 @@ def paged_attention(
     out-of-contract device values are clamped on the device (README, "Bad input"), never read past.
     """
     kwargs = dict(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, kv_start=kv_start,
-                  sinks=sinks, softcap=softcap, k_descale=k_descale, v_descale=v_descale, key_mask=key_mask)
+                  sinks=sinks, softcap=softcap, k_descale=k_descale, v_descale=v_descale, key_mask=key_mask,
+                  q_pe=q_pe)
     _validate.check_paged_attention_types(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
                                           return_lse=return_lse, out=out, **kwargs)
     if out is None:

@@ -6,8 +6,9 @@
 A thin entry on top of `paged_attention`: the latent cache [num_pages, page_size, 576] (512 compressed KV
 values + 64 rope key values per token, vLLM's layout) is one KV head whose keys are all 576 values and whose
 values are the first 512 of them, so this is paged_attention with Hkv = 1, D = 576 and Dv = 512:
-k_cache = kv_cache[:, :, None, :] (NHD), v_cache = k_cache[..., :512] (a view: the same memory), and
-q = cat(q_nope, q_pe) (one small copy of q). The kernels run as paged_attention's do: with a 16-bit cache,
+k_cache = kv_cache[:, :, None, :] (NHD), v_cache = k_cache[..., :512] (a view: the same memory), and the
+query cat(q_nope, q_pe), which the kernels read from the two tensors in place (paged_attention's q and q_pe:
+no copy of q). The kernels run as paged_attention's do: with a 16-bit cache,
 decode and verify on the CuTe DSL family's MLA kernel where it is installed (sm90, pages that go by TMA:
 kernels/cute/mla.py), else Triton on CUDA, the torch family elsewhere. Plain torch and the op: it traces
 under torch.compile(fullgraph=True).
@@ -99,7 +100,9 @@ def mla_attention(
             bf16 or fp16 (fp32 too on CPU). Or, with q_pe None, the whole query [.., H, kv_lora_rank + rope_dim]
             (last dim contiguous).
         q_pe: [.., H, rope_dim] (q_nope's leading dims, its dtype and device; rope_dim 64 for DeepSeek), the
-            rope part; or None (q_nope is the whole query).
+            rope part; or None (q_nope is the whole query). The kernels read q_nope and q_pe in place, any
+            strides (views such as a transposed rope output too) with the last dim contiguous (else that one is
+            copied first); the CuTe kernel also needs their rows on 16 bytes (ValueError naming them if not).
         kv_cache: the latent cache [num_pages, page_size, kv_lora_rank + rope_dim] (vLLM's layout: per token
             the compressed KV, then the rope key; last dim contiguous, any other strides), q's dtype or
             float8_e4m3fn (bf16/fp16 q). Or FlashInfer's two caches as a pair (ckv [num_pages, page_size,
@@ -173,7 +176,9 @@ def mla_attention(
             _fail("q_pe", f"of q_nope's dtype {q_nope.dtype}", q_pe.dtype, "TypeError")
         if q_pe.device != q_nope.device:
             _fail("q_pe", f"on q_nope's device {q_nope.device}", q_pe.device)
-        q = torch.cat([q_nope, q_pe], dim=-1)
+        # the kernels read both in place, rows of unit stride (any other strides): a copy only where that is not so
+        q = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
+        q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     k_cache = kv_cache.unsqueeze(2)  # [num_pages, page_size, 1, kv_lora_rank + rope_dim]: one KV head, NHD
     v_cache = k_cache[..., :kv_lora_rank]  # the values: the latent, the keys' first kv_lora_rank columns
     if v_descale is None:
@@ -181,7 +186,7 @@ def mla_attention(
     from b12x_inductor import paged_attention
 
     return paged_attention(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_layout="NHD",
-                           causal=causal, scale=scale, k_descale=k_descale, v_descale=v_descale,
+                           causal=causal, scale=scale, k_descale=k_descale, v_descale=v_descale, q_pe=q_pe,
                            return_lse=return_lse, out=out)
 
 

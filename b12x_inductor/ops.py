@@ -31,12 +31,12 @@ _ARGS = (
     "Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cache_seqlens, "
     "Tensor? cu_seqlens_q=None, *, str kv_layout=\"NHD\", bool causal=True, float? scale=None, "
     "int window_left=-1, Tensor? kv_start=None, Tensor? sinks=None, float softcap=0.0, "
-    "Tensor? k_descale=None, Tensor? v_descale=None, Tensor? key_mask=None"
+    "Tensor? k_descale=None, Tensor? v_descale=None, Tensor? key_mask=None, Tensor? q_pe=None"
 )
 _ENTRY = (
     "Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cache_seqlens, "
     "Tensor? cu_seqlens_q, Tensor? kv_start, Tensor? sinks, Tensor? k_descale, Tensor? v_descale, "
-    "Tensor? key_mask, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) scratch, *, str kv_layout, bool causal, float scale, "
+    "Tensor? key_mask, Tensor? q_pe, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) scratch, *, str kv_layout, bool causal, float scale, "
     "int window_left, float softcap, str family, int num_splits, int block_m, int block_n, int num_warps, "
     "int num_stages, bool v_from_k"
 )
@@ -66,26 +66,26 @@ torch.library.register_fake("b12x::refuse")(_refuse)
 
 
 def _run_plan(plan: Plan, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
-              kv_start, sinks, k_descale, v_descale, key_mask, out, options: Options) -> torch.Tensor:
+              kv_start, sinks, k_descale, v_descale, key_mask, q_pe, out, options: Options) -> torch.Tensor:
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=q.device)
     plan.entry_op(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale,
-                  v_descale, key_mask, out, lse, scratch, **options.as_kwargs(), **plan.constants())
+                  v_descale, key_mask, q_pe, out, lse, scratch, **options.as_kwargs(), **plan.constants())
     return lse
 
 
 def _eager(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *, kv_layout="NHD", causal=True,
            scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=None, v_descale=None,
-           key_mask=None, out=None):
+           key_mask=None, q_pe=None, out=None):
     problem = validate.check_paged_attention(
         q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_layout=kv_layout, causal=causal,
         scale=scale, window_left=window_left, kv_start=kv_start, sinks=sinks, softcap=softcap,
-        k_descale=k_descale, v_descale=v_descale, key_mask=key_mask, out=out)
+        k_descale=k_descale, v_descale=v_descale, key_mask=key_mask, q_pe=q_pe, out=out)
     if out is None:  # q's shape with the value head dim
         out = torch.empty(q.shape[:-1] + (v_cache.shape[-1],), dtype=q.dtype, device=q.device)
     lse = _run_plan(plan_for(problem), q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
-                    kv_start, sinks, k_descale, v_descale, key_mask, out,
-                    Options.of(q.shape[-1], kv_layout=kv_layout, causal=causal, scale=scale,
+                    kv_start, sinks, k_descale, v_descale, key_mask, q_pe, out,
+                    Options.of(problem.head_dim, kv_layout=kv_layout, causal=causal, scale=scale,
                                window_left=window_left, softcap=softcap))
     return out, lse
 
@@ -102,11 +102,11 @@ def _paged_attention_out(q, k_cache, v_cache, page_table, cache_seqlens, cu_seql
 
 def _fake_check(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, out=None, *, kv_layout="NHD",
                 causal=True, scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=None,
-                v_descale=None, key_mask=None):
+                v_descale=None, key_mask=None, q_pe=None):
     validate.check_paged_attention(
         q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_layout=kv_layout, causal=causal,
         scale=scale, window_left=window_left, kv_start=kv_start, sinks=sinks, softcap=softcap,
-        k_descale=k_descale, v_descale=v_descale, key_mask=key_mask, out=out, want_problem=False)
+        k_descale=k_descale, v_descale=v_descale, key_mask=key_mask, q_pe=q_pe, out=out, want_problem=False)
 
 
 @torch.library.register_fake("b12x::paged_attention")
@@ -124,7 +124,7 @@ def _paged_attention_out_fake(q, k_cache, v_cache, page_table, cache_seqlens, cu
 
 def _entry(mode: str):
     def impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale, v_descale,
-             key_mask, out, lse, scratch, *, kv_layout, causal, scale, window_left, softcap, family, **plan):
+             key_mask, q_pe, out, lse, scratch, *, kv_layout, causal, scale, window_left, softcap, family, **plan):
         if validate.debug_enabled():
             validate.check_device_values(q, k_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, kv_layout)
         from b12x_inductor import kernels
@@ -132,7 +132,7 @@ def _entry(mode: str):
         kernels.run(Call(
             q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
             cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, sinks=sinks, k_descale=k_descale, v_descale=v_descale,
-            key_mask=key_mask, out=out, lse=lse, scratch=scratch,
+            key_mask=key_mask, q_pe=q_pe, out=out, lse=lse, scratch=scratch,
             options=Options(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left,
                             softcap=softcap),
             plan=Plan.of_entry(mode, scratch.numel(), family=family, **plan)))
@@ -166,7 +166,7 @@ def _no_grad_kernel(name: str, op: str, tensor_args: tuple[str, ...]):
     _lib.impl(name, kernel, "Autograd", with_keyset=True)
 
 
-_ATTN_TENSORS = ("q", "k_cache", "v_cache", "sinks", "k_descale", "v_descale")
+_ATTN_TENSORS = ("q", "q_pe", "k_cache", "v_cache", "sinks", "k_descale", "v_descale")
 _no_grad_kernel("paged_attention", "paged_attention", _ATTN_TENSORS)
 _no_grad_kernel("paged_attention_out", "paged_attention", _ATTN_TENSORS + ("out",))
 

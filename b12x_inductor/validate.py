@@ -128,14 +128,14 @@ def _check_tensor_types(op: str, required: dict, optional: dict) -> None:
 
 def check_paged_attention_types(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, *, kv_layout,
                                 causal, scale, window_left, kv_start, sinks, softcap, k_descale, v_descale,
-                                key_mask=None, return_lse, out) -> None:
+                                key_mask=None, q_pe=None, return_lse, out) -> None:
     """What `b12x_inductor.paged_attention` checks before it calls the op (Python types only: it runs the
     same eagerly and while Dynamo traces)."""
     op = "paged_attention"
     _check_tensor_types(op, dict(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table,
                                  cache_seqlens=cache_seqlens),
                         dict(cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, sinks=sinks, k_descale=k_descale,
-                             v_descale=v_descale, key_mask=key_mask, out=out))
+                             v_descale=v_descale, key_mask=key_mask, q_pe=q_pe, out=out))
     check_options(op, kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=softcap)
     if not isinstance(return_lse, bool):
         _fail(op, "return_lse", "a bool", _type_name(return_lse), "TypeError")
@@ -212,10 +212,11 @@ def check_head_dims(op: str, d, dv) -> None:
 
 def check_paged_attention(
     q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, *, kv_layout, causal, scale, window_left,
-    kv_start, sinks, softcap, k_descale, v_descale, key_mask=None, out=None, want_problem=True,
+    kv_start, sinks, softcap, k_descale, v_descale, key_mask=None, q_pe=None, out=None, want_problem=True,
 ) -> Problem | None:
     """Checks one call and returns its static Problem (None with want_problem=False, as while tracing
-    with symbolic sizes, which building a Problem would specialize)."""
+    with symbolic sizes, which building a Problem would specialize). With q_pe (absorbed MLA's rope part
+    apart) the query is cat(q, q_pe, dim=-1) and the Problem's head dim is that of the concatenation."""
     op = "paged_attention"
     _check_tensor(op, "q", q)
     if q.dim() == 4:
@@ -242,8 +243,12 @@ def check_paged_attention(
         _fail(op, "k_cache", f"of q's dtype {q.dtype} or torch.float8_e4m3fn (with bf16/fp16 q)", k_cache.dtype,
               "TypeError")
     hq, qd = q.shape[-2], q.shape[-1]
+    if q_pe is not None:  # the caches' head dims first: q_pe's shape follows from them
+        check_head_dims(op, d, dv)
+        qd = qd + _check_q_pe(op, q, q_pe, d)
     if qd != d:
-        _fail(op, "k_cache", f"of q's head dim {qd}", f"head dim {d}")
+        _fail(op, "k_cache", f"of q's head dim {qd}" + (" (q's and q_pe's last dims)" if q_pe is not None else ""),
+              f"head dim {d}")
     check_head_dims(op, d, dv)
     if hq % hkv != 0:
         _fail(op, "q", f"a number of heads divisible by the cache's {hkv} KV heads", f"{hq} heads")
@@ -287,6 +292,28 @@ def check_paged_attention(
         device_type=device.type, sm_count=sm_count, capability=capability, key_mask=key_mask is not None,
         window_left=int(window_left), v_in_k=v_is_prefix_of_k(k_cache, v_cache),
     )
+
+
+def _check_q_pe(op: str, q, q_pe, d) -> int:
+    """q_pe, absorbed MLA's rope part of the query apart from q (the query is cat(q, q_pe, dim=-1)): only for
+    plan.py's MLA head dims (D = 576: q [.., Hq, 512], q_pe [.., Hq, 64]), of q's leading dims, dtype and
+    device, last dim contiguous (any other strides). Returns its width. (Sizes may be symbolic: compared,
+    never hashed.)"""
+    _check_tensor(op, "q_pe", q_pe, dim=q.dim(), dtype=q.dtype, device=q.device)
+    for mla_d, rank in MLA_HEAD_DIMS.items():
+        if d == mla_d:
+            break
+    else:
+        _fail(op, "q_pe", "None unless k_cache's head dim is absorbed MLA's ("
+              + ", ".join(f"{k} = {v} + {k - v}" for k, v in MLA_HEAD_DIMS.items()) + ": q holds the query's "
+              "first columns, as many as the value head dim, and q_pe the rest)", f"a tensor with head dim {d}")
+    want = _shape(q)[:-1] + (mla_d - rank,)
+    if q.shape[-1] != rank or _shape(q_pe) != want:
+        _fail(op, "q_pe", f"of shape {want} with q of last dim {rank} (the query is cat(q, q_pe): q its first "
+              f"{rank} columns, q_pe the last {mla_d - rank})", f"q of shape {_shape(q)}, q_pe of shape {_shape(q_pe)}")
+    if q_pe.stride(-1) != 1:
+        _fail(op, "q_pe", "contiguous in its last dim", f"strides {tuple(q_pe.stride())}")
+    return q_pe.shape[-1]
 
 
 def v_is_prefix_of_k(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -54,8 +54,10 @@ class Call:
     value head dim Dv (which may differ from D: MLA); page_table int32 [B, max_pages]; cache_seqlens int32
     [B]; cu_seqlens_q int32 [B + 1] (packed q) or None; kv_start int32 [B] or None; sinks float32 [Hq] or
     None; k_descale, v_descale float32 scalar, [B] or [B, Hkv], or None; key_mask bool [B, S or 1, max_pages *
-    page_size] (4-D q only; any strides) or None; out q's shape with Dv last, q's dtype; lse float32
-    q's shape without D; scratch uint8 [plan.scratch_bytes]."""
+    page_size] (4-D q only; any strides) or None; q_pe None, or (D = 576, absorbed MLA) the query's last 64
+    columns apart, q's leading dims with 64 last (last dim contiguous), q then holding its first 512: the query
+    is cat(q, q_pe, dim=-1), D below is the concatenation's; out q's shape with Dv last, q's dtype; lse
+    float32 q's shape without D; scratch uint8 [plan.scratch_bytes]."""
 
     q: torch.Tensor
     k_cache: torch.Tensor
@@ -68,6 +70,7 @@ class Call:
     k_descale: torch.Tensor | None
     v_descale: torch.Tensor | None
     key_mask: torch.Tensor | None
+    q_pe: torch.Tensor | None
     out: torch.Tensor
     lse: torch.Tensor
     scratch: torch.Tensor
@@ -75,7 +78,7 @@ class Call:
     plan: object  # b12x_inductor.plan.Plan
 
     INPUTS = ("q", "k_cache", "v_cache", "page_table", "cache_seqlens", "cu_seqlens_q", "kv_start", "sinks",
-              "k_descale", "v_descale", "key_mask")
+              "k_descale", "v_descale", "key_mask", "q_pe")
 
     @property
     def mode(self) -> str:
@@ -84,6 +87,11 @@ class Call:
     @property
     def packed(self) -> bool:
         return self.q.dim() == 3
+
+    @property
+    def head_dim(self) -> int:
+        """D: the query's (and the keys') head dim, q_pe's columns included."""
+        return self.q.shape[-1] + (0 if self.q_pe is None else self.q_pe.shape[-1])
 
     def inputs(self) -> dict:
         """The input tensors by name (the reference's and the torch family's keyword arguments)."""

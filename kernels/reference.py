@@ -85,9 +85,12 @@ def paged_attention_reference(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
+    q_pe: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse) in fp32 on the CPU: out shaped like q with v's head dim Dv as its last dim, lse like q
-    without its last dim."""
+    without its last dim. With q_pe (absorbed MLA's query in two tensors) the query is cat(q, q_pe, dim=-1)."""
+    if q_pe is not None:
+        q = torch.cat([q.detach().cpu(), q_pe.detach().cpu()], dim=-1)
     q, k_cache, v_cache = q.detach().cpu(), k_cache.detach().cpu(), v_cache.detach().cpu()
     page_table, cache_seqlens = page_table.cpu(), cache_seqlens.cpu()
     packed = q.dim() == 3

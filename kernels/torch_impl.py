@@ -54,10 +54,13 @@ def _descale(descale: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
 
 def paged_attention_torch(
     q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale, v_descale,
-    out, lse, *, kv_layout, causal, scale, window_left, softcap, key_mask=None,
+    out, lse, *, kv_layout, causal, scale, window_left, softcap, key_mask=None, q_pe=None,
 ) -> None:
     """Writes out (q's shape with v's head dim Dv, q's dtype) and lse (fp32, q's shape without D) for any mode.
-    q and k have head dim D, v and out Dv (which may differ: MLA)."""
+    q and k have head dim D, v and out Dv (which may differ: MLA). With q_pe (absorbed MLA's query in two
+    tensors) the query is cat(q, q_pe, dim=-1)."""
+    if q_pe is not None:
+        q = torch.cat([q, q_pe], dim=-1)
     batch, max_pages = page_table.shape
     hq, d = q.shape[-2], q.shape[-1]
     dv = v_cache.shape[-1]

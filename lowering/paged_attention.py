@@ -34,15 +34,16 @@ def _sizes(node) -> list[int]:
 
 
 def _problem(q, k_cache, v_cache, page_table, kv_layout: str, key_mask: bool = False,
-             window_left: int = -1) -> Problem:
+             window_left: int = -1, q_pe=None) -> Problem:
     q_size, kv_size, pt_size = _sizes(q), _sizes(k_cache), _sizes(page_table)
+    head_dim = q_size[-1] + (0 if q_pe is None else _sizes(q_pe)[-1])  # the query is cat(q, q_pe)
     v_head_dim = _sizes(v_cache)[-1]
     page_size, hkv = cache_dims(kv_size, kv_layout)
     device = q.get_device()
     sm_count, capability = device_facts(device)
     return Problem(
         batch=pt_size[0], q_len=q_size[1] if len(q_size) == 4 else q_size[0], packed=len(q_size) == 3,
-        num_q_heads=q_size[-2], num_kv_heads=hkv, head_dim=q_size[-1], v_head_dim=v_head_dim, page_size=page_size,
+        num_q_heads=q_size[-2], num_kv_heads=hkv, head_dim=head_dim, v_head_dim=v_head_dim, page_size=page_size,
         max_pages=pt_size[1], q_dtype=q.get_dtype(), kv_dtype=k_cache.get_dtype(), kv_layout=kv_layout,
         device_type=device.type, sm_count=sm_count, capability=capability, key_mask=key_mask,
         window_left=window_left, v_in_k=_inductor.is_prefix_view(k_cache, v_cache))
@@ -50,8 +51,8 @@ def _problem(q, k_cache, v_cache, page_table, kv_layout: str, key_mask: bool = F
 
 def _lower(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *, kv_layout="NHD", causal=True,
            scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=None, v_descale=None,
-           key_mask=None, out=None):
-    problem = _problem(q, k_cache, v_cache, page_table, kv_layout, key_mask is not None, window_left)
+           key_mask=None, q_pe=None, out=None):
+    problem = _problem(q, k_cache, v_cache, page_table, kv_layout, key_mask is not None, window_left, q_pe)
     plan = plan_for(problem)
     q_size = _sizes(q)
     device = q.get_device()
@@ -64,7 +65,7 @@ def _lower(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *,
     precompile(problem, plan, options)  # no JIT compile later, inside a CUDA-graph capture
     _inductor.call_fallback(
         plan.entry_op, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale,
-        v_descale, key_mask, out, lse, scratch, **options.as_kwargs(), **plan.constants())
+        v_descale, key_mask, q_pe, out, lse, scratch, **options.as_kwargs(), **plan.constants())
     return out, lse
 
 

@@ -58,14 +58,14 @@ def run_family(t, options, family, out=None, overrides=None):
         kv_layout=options.get("kv_layout", "NHD"), causal=options.get("causal", True), scale=options.get("scale"),
         window_left=options.get("window_left", -1), kv_start=t["kv_start"], sinks=t["sinks"],
         softcap=options.get("softcap", 0.0), k_descale=t["k_descale"], v_descale=t["v_descale"],
-        key_mask=t.get("key_mask"), out=None)
+        key_mask=t.get("key_mask"), q_pe=t.get("q_pe"), out=None)
     plan = family_plan(problem, family, **(overrides or {}))
     q = t["q"]
     out = torch.full(q.shape[:-1] + t["v_cache"].shape[-1:], float("nan"), dtype=q.dtype, device=q.device) \
         if out is None else out
     lse = torch.full(q.shape[:-1], float("nan"), device=q.device)
     scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=q.device)
-    opts = kernels.Options.of(q.shape[-1], kv_layout=options.get("kv_layout", "NHD"),
+    opts = kernels.Options.of(problem.head_dim, kv_layout=options.get("kv_layout", "NHD"),
                               causal=options.get("causal", True), scale=options.get("scale"),
                               window_left=options.get("window_left", -1), softcap=options.get("softcap", 0.0))
     the_call = kernels.Call(**{k: t.get(k) for k in kernels.Call.INPUTS}, out=out, lse=lse, scratch=scratch,

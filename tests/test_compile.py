@@ -80,11 +80,11 @@ class TestGeneratedCode(expecttest.TestCase):
             _, (code,) = run_and_get_code(torch.compile(attend, fullgraph=True, dynamic=False), *inputs)
             lines = _call_lines(code, "torch.ops.b12x.")
             if mode == "decode":
-                self.assertExpectedInline(lines, """torch.ops.b12x.paged_attention_decode.default(argN, argN, argN, argN, argN, None, argN, argN, None, None, None, buf0, buf1, buf2, kv_layout='NHD', causal=True, scale=0.11, window_left=6, softcap=4.0, family='torch', num_splits=1, block_m=0, block_n=0, num_warps=0, num_stages=0, v_from_k=False)""")
+                self.assertExpectedInline(lines, """torch.ops.b12x.paged_attention_decode.default(argN, argN, argN, argN, argN, None, argN, argN, None, None, None, None, buf0, buf1, buf2, kv_layout='NHD', causal=True, scale=0.11, window_left=6, softcap=4.0, family='torch', num_splits=1, block_m=0, block_n=0, num_warps=0, num_stages=0, v_from_k=False)""")
             elif mode == "verify":
-                self.assertExpectedInline(lines, """torch.ops.b12x.paged_attention_verify.default(argN, argN, argN, argN, argN, None, argN, argN, None, None, None, buf0, buf1, buf2, kv_layout='NHD', causal=True, scale=0.11, window_left=6, softcap=4.0, family='torch', num_splits=1, block_m=0, block_n=0, num_warps=0, num_stages=0, v_from_k=False)""")
+                self.assertExpectedInline(lines, """torch.ops.b12x.paged_attention_verify.default(argN, argN, argN, argN, argN, None, argN, argN, None, None, None, None, buf0, buf1, buf2, kv_layout='NHD', causal=True, scale=0.11, window_left=6, softcap=4.0, family='torch', num_splits=1, block_m=0, block_n=0, num_warps=0, num_stages=0, v_from_k=False)""")
             else:
-                self.assertExpectedInline(lines, """torch.ops.b12x.paged_attention_extend.default(argN, argN, argN, argN, argN, argN, argN, argN, None, None, None, buf0, buf1, buf2, kv_layout='NHD', causal=True, scale=0.11, window_left=6, softcap=4.0, family='torch', num_splits=1, block_m=0, block_n=0, num_warps=0, num_stages=0, v_from_k=False)""")
+                self.assertExpectedInline(lines, """torch.ops.b12x.paged_attention_extend.default(argN, argN, argN, argN, argN, argN, argN, argN, None, None, None, None, buf0, buf1, buf2, kv_layout='NHD', causal=True, scale=0.11, window_left=6, softcap=4.0, family='torch', num_splits=1, block_m=0, block_n=0, num_warps=0, num_stages=0, v_from_k=False)""")
 
     def test_write_kv_updates_the_cache_in_place(self):
         torch._dynamo.reset()

@@ -81,7 +81,7 @@ def test_kernel_compiles_for_sm90a(name, problem, plan, options, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["decode", "verify_fp8_features", "extend_sinks", "packed_kv_start", "mla_decode",
-                                  "mla_verify_one_split"])
+                                  "mla_verify_one_split", "mla_decode_q_pe"])
 def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     """`run` builds each launch by name from the kernel's `__call__` signature (`_abi`): every argument is
     there, in order, each scalar of its annotated type. The compiled kernel and the GPU are replaced by a
@@ -129,12 +129,13 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     kw = {"decode": dict(q_len=1), "verify_fp8_features": dict(q_len=4, kv_start=True, descale="bh", kv_dtype=F8),
           "extend_sinks": dict(q_len=40, sinks=True), "packed_kv_start": dict(packed=True, kv_start=True),
           "mla_decode": dict(mla, q_len=1, sinks=True, lens=[3000, 70]),
-          "mla_verify_one_split": dict(mla, q_len=4, kv_start=True)}[case]
+          "mla_verify_one_split": dict(mla, q_len=4, kv_start=True),
+          "mla_decode_q_pe": dict(mla, q_len=1, split_q=True, lens=[3000, 70])}[case]
     t = make_inputs(**{**dict(d=128, hq=8, hkv=2, page_size=16, lens=[100, 70]), **kw})
     problem = validate.check_paged_attention(
         t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"], kv_layout="NHD",
         causal=True, scale=None, window_left=-1, kv_start=t["kv_start"], sinks=t["sinks"], softcap=0.0,
-        k_descale=t["k_descale"], v_descale=t["v_descale"], out=None)
+        k_descale=t["k_descale"], v_descale=t["v_descale"], q_pe=t["q_pe"], out=None)
     problem = dataclasses.replace(problem, device_type="cuda", capability=(9, 0), sm_count=132)
     plan = family_plan(problem, "cute", **(dict(num_splits=1, block_n=64, num_stages=2, num_warps=8)
                                            if case == "mla_verify_one_split" else {}))  # the seesaw kernel
@@ -142,8 +143,9 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     kernels.run(kernels.Call(
         **{k: t[k] for k in kernels.Call.INPUTS}, out=q.new_empty(q.shape[:-1] + t["v_cache"].shape[-1:]),
         lse=torch.empty(q.shape[:-1]), scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8),
-        options=Options.of(q.shape[-1], kv_layout="NHD", causal=True, scale=None, window_left=-1, softcap=0.0),
+        options=Options.of(problem.head_dim, kv_layout="NHD", causal=True, scale=None, window_left=-1, softcap=0.0),
         plan=plan))
-    expected = {"mla_decode": ["MlaSplitKernel", "merge"], "mla_verify_one_split": ["MlaSeesawKernel"]}.get(
+    expected = {"mla_decode": ["MlaSplitKernel", "merge"], "mla_verify_one_split": ["MlaSeesawKernel"],
+                "mla_decode_q_pe": ["MlaSplitKernel", "merge"]}.get(
         case, ["ExtendKernel"] if plan.mode == "extend" else ["SplitKernel", "merge"])
     assert launched == expected

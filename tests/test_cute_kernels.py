@@ -292,12 +292,37 @@ def test_cute_mla_rejects_an_unaligned_out_with_one_split():
     k_cache = torch.zeros(2, 64, 1, 576, dtype=torch.bfloat16)
     tensors = dict(q=torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16), k_cache=k_cache, v_cache=k_cache[..., :512],
                    page_table=torch.zeros(1, 2, dtype=torch.int32), cache_seqlens=torch.ones(1, dtype=torch.int32),
-                   kv_start=None, sinks=None, k_descale=None, v_descale=None)
+                   kv_start=None, sinks=None, k_descale=None, v_descale=None, q_pe=None)
     out = torch.zeros(1 * 16 * 512 + 1, dtype=torch.bfloat16)[1:].view(1, 1, 16, 512)  # rows start 2 bytes in
     lse = torch.zeros(1, 1, 16)
     with pytest.raises(ValueError, match=r"needs out with 16-byte aligned rows .* got data_ptr % 16 = 2"):
         _run_mla(tensors, out=out, lse=lse, scratch=None, options=dict(kv_layout="NHD", softcap=0.0),
                  plan=dict(num_splits=1))
+
+
+@pytest.mark.parametrize("which", ["q_pe_pointer", "q_pe_stride", "q_stride"])
+def test_cute_mla_rejects_an_unaligned_query_part(which):
+    """The MLA kernels copy the query's rows in 16-byte chunks from q (columns 0..511) and q_pe (512..575): a part
+    whose rows do not start on 16 bytes is refused by name before anything compiles or launches."""
+    pytest.importorskip("cuda.bindings.driver")
+    from b12x_inductor.kernels.cute import _run_mla
+
+    k_cache = torch.zeros(2, 64, 1, 576, dtype=torch.bfloat16)
+    q = torch.zeros(1, 1, 16, 512, dtype=torch.bfloat16)
+    q_pe = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16)
+    if which == "q_pe_pointer":
+        q_pe = torch.zeros(16 * 64 + 1, dtype=torch.bfloat16)[1:].view(1, 1, 16, 64)
+    elif which == "q_pe_stride":
+        q_pe = torch.zeros(1, 1, 16, 68, dtype=torch.bfloat16)[..., :64]
+    else:
+        q = torch.zeros(1, 1, 16, 516, dtype=torch.bfloat16)[..., :512]
+    tensors = dict(q=q, q_pe=q_pe, k_cache=k_cache, v_cache=k_cache[..., :512],
+                   page_table=torch.zeros(1, 2, dtype=torch.int32), cache_seqlens=torch.ones(1, dtype=torch.int32),
+                   kv_start=None, sinks=None, k_descale=None, v_descale=None)
+    name = "q" if which == "q_stride" else "q_pe"
+    with pytest.raises(ValueError, match=rf"needs {name} with 16-byte aligned rows"):
+        _run_mla(tensors, out=torch.zeros(1, 1, 16, 512, dtype=torch.bfloat16), lse=torch.zeros(1, 1, 16),
+                 scratch=None, options=dict(kv_layout="NHD", softcap=0.0), plan=dict(num_splits=1))
 
 
 def test_cute_geometry_fits_every_supported_problem():
@@ -494,10 +519,13 @@ def test_gpu_cute_mla_matches_reference(name, kw, options, variant):
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("variant", ["plan", "one_split", "seesaw"])
-@pytest.mark.parametrize("q_len,heads", [(1, 128), (4, 16)], ids=["decode_h128", "verify_h16"])
-def test_gpu_cute_mla_cuda_graph_replay(q_len, heads, variant):
-    """Capture once; poison the outputs, change lengths and page tables in place, replay, compare."""
-    kw = dict(MLA, batch=3, q_len=q_len, hq=heads, page_size=64, lens=[500, 260, 70], spare_pages=4)
+@pytest.mark.parametrize("q_len,heads,split_q", [(1, 128, False), (4, 16, False), (1, 128, True), (4, 16, True)],
+                         ids=["decode_h128", "verify_h16", "decode_h128_split_q", "verify_h16_split_q"])
+def test_gpu_cute_mla_cuda_graph_replay(q_len, heads, split_q, variant):
+    """Capture once; poison the outputs, change lengths and page tables in place, replay, compare (split_q: the
+    query as q and q_pe, read in place)."""
+    kw = dict(MLA, batch=3, q_len=q_len, hq=heads, page_size=64, lens=[500, 260, 70], spare_pages=4,
+              split_q=split_q)
     t = make_inputs(**kw, device="cuda", seed=13)
     options = dict(kv_layout="NHD")
     out, lse, plan, call = run_family(t, options, "cute", overrides=MLA_VARIANTS[variant])

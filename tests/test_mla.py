@@ -10,6 +10,8 @@ over the latent cache itself with D = 576, Dv = 512 and one KV head.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -376,8 +378,8 @@ def test_mla_attention_out_and_lse_packed():
 
 @pytest.mark.parametrize("q_len", [1, 20])
 def test_mla_attention_compiled_fullgraph(q_len):
-    """torch.compile(fullgraph=True, Inductor): the cat of q, the cache views and the op trace; the lowering
-    plans D = 576 / Dv = 512 (the torch family on CPU); equal to the reference."""
+    """torch.compile(fullgraph=True, Inductor): the query's two parts, the cache views and the op trace; the
+    lowering plans D = 576 / Dv = 512 (the torch family on CPU); equal to the reference."""
     t, latent = _latent_inputs(q_len=q_len, heads=4, seed=8)
 
     def step(q_nope, q_pe, kv, pt, lens):
@@ -392,6 +394,89 @@ def test_mla_attention_compiled_fullgraph(q_len):
     ref_out, ref_lse = _mla_reference(t, scale=0.05)
     torch.testing.assert_close(out / 2.0, ref_out, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("shape", ["decode", "verify", "packed", "extend"])
+def test_paged_attention_reads_q_pe_in_place(shape):
+    """paged_attention(q, ..., q_pe=q_pe) is the attention of cat(q, q_pe): q a slice of a wider buffer (its
+    other columns NaN) and q_pe a transposed view, both read in place (the torch family; the Triton kernels:
+    test_triton_kernels.py's split_q cases, the CuTe kernel: test_mla_gpu.py)."""
+    kw = dict(decode=dict(q_len=1), verify=dict(q_len=4), packed=dict(packed=True), extend=dict(q_len=20))[shape]
+    t = make_inputs(d=576, dv=512, hq=4, hkv=1, v_view=True, nan_unused=True, split_q=True, sinks=True,
+                    dtype=torch.float32, page_size=4, seed=11, **kw)
+    assert t["q"].stride(-2) == 640 and not t["q_pe"].is_contiguous()
+    out, lse = b12x.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"],
+                                    t["cu_seqlens_q"], sinks=t["sinks"], q_pe=t["q_pe"], scale=0.06, return_lse=True)
+    ref_out, ref_lse = paged_attention_reference(**t, scale=0.06)
+    whole = torch.cat([t["q"], t["q_pe"]], dim=-1)
+    ref2_out, _ = paged_attention_reference(**{**t, "q": whole, "q_pe": None}, scale=0.06)
+    torch.testing.assert_close(ref_out, ref2_out)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_paged_attention_q_pe_default_scale_is_the_whole_head_dim():
+    t = make_inputs(d=576, dv=512, hq=2, hkv=1, v_view=True, split_q=True, dtype=torch.float32, seed=12)
+    out = b12x.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"],
+                               q_pe=t["q_pe"])
+    ref_out, _ = paged_attention_reference(**t, scale=576 ** -0.5)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("q_len", [1, 20])
+def test_mla_attention_compiled_passes_q_pe_through(q_len):
+    """Under torch.compile (Inductor), mla_attention's query reaches the entry op as two tensors: no cat of q in
+    the generated code, q_pe a (non-None) argument of the entry op."""
+    from torch._inductor.utils import run_and_get_code
+
+    t, latent = _latent_inputs(q_len=q_len, heads=4, seed=13)
+
+    def step(q_nope, q_pe, kv, pt, lens):
+        return b12x.mla_attention(q_nope, q_pe, kv, pt, lens, scale=0.05)
+
+    torch._dynamo.reset()
+    q = t["q"]
+    q_nope, q_pe = q[..., :512].contiguous(), q[..., 512:].movedim(-2, 0).contiguous().movedim(0, -2)
+    out, (code,) = run_and_get_code(torch.compile(step, fullgraph=True), q_nope, q_pe, latent, t["page_table"],
+                                    t["cache_seqlens"])
+    mode = "decode" if q_len == 1 else "extend"
+    calls = [ln for ln in code.splitlines() if f"paged_attention_{mode}.default(" in ln]
+    assert len(calls) == 1, code
+    args = calls[0].split(".default(", 1)[1].split(", ")
+    assert args[11] != "None", calls[0]  # the entry op's q_pe (schema: ..., key_mask, q_pe, out, lse, scratch)
+    assert not re.search(r"aten\.cat|_cat_|\bcat\(", code), "the query is concatenated in the generated code"
+    ref_out, _ = _mla_reference(t, scale=0.05)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
+
+
+def _q_pe_args():
+    t = make_inputs(d=576, dv=512, hq=4, hkv=1, v_view=True, split_q=True, dtype=torch.float32, seed=14)
+    return dict(q=t["q"], k_cache=t["k_cache"], v_cache=t["v_cache"], page_table=t["page_table"],
+                cache_seqlens=t["cache_seqlens"], q_pe=t["q_pe"])
+
+
+Q_PE_CASES = [
+    ("not_mla", lambda a: a.update(make_inputs(d=128, hq=4, hkv=2, dtype=torch.float32) | dict(
+        q_pe=torch.randn(2, 1, 4, 64))), ValueError, "q_pe must be None unless k_cache's head dim is absorbed MLA's"),
+    ("whole_q_too", lambda a: a.update(q=torch.randn(2, 1, 4, 576)), ValueError,
+     r"q_pe must be of shape \(2, 1, 4, 64\) with q of last dim 512"),
+    ("q_pe_width", lambda a: a.update(q_pe=a["q_pe"][..., :32]), ValueError, r"q_pe must be of shape \(2, 1, 4, 64\)"),
+    ("q_pe_dims", lambda a: a.update(q_pe=a["q_pe"][0]), ValueError, "q_pe must be 4-dimensional"),
+    ("q_pe_dtype", lambda a: a.update(q_pe=a["q_pe"].double()), TypeError, "q_pe must be of dtype torch.float32"),
+    ("q_pe_last_stride", lambda a: a.update(q_pe=torch.randn(2, 1, 4, 128)[..., ::2]), ValueError,
+     "q_pe must be contiguous in its last dim"),
+    ("q_pe_type", lambda a: a.update(q_pe=[1.0]), TypeError, "q_pe must be a torch.Tensor or None"),
+]
+
+
+@pytest.mark.parametrize("name,change,exc,message", Q_PE_CASES, ids=[c[0] for c in Q_PE_CASES])
+@pytest.mark.parametrize("where", ["eager", "compiled"])
+def test_paged_attention_bad_q_pe(name, change, exc, message, where):
+    args = _q_pe_args()
+    change(args)
+    for k in ("cu_seqlens_q", "kv_start", "sinks", "k_descale", "v_descale", "key_mask"):
+        args.pop(k, None)
+    _raises(_where(b12x.paged_attention, where), exc, "^paged_attention: " + message, **args)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -473,7 +558,7 @@ def test_flashinfer_pair_must_be_adjacent_views():
 
 
 def test_mla_attention_keeps_inputs():
-    """No input changes (the cat copies q; the cache is only read)."""
+    """No input changes (q_nope, q_pe and the cache are only read)."""
     args = _mla_args()
     before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
     b12x.mla_attention(**args)

@@ -193,7 +193,7 @@ def test_gpu_mla_cuda_graph_replay(mode, case):
 
 def kernel_plan(mode, heads, page_size, kv_dtype, descale, device):
     """The plan select_plan gives the replay test's call (as the op plans it: paged_attention's validation of
-    q = cat(q_nope, q_pe) over the latent cache's one-head views)."""
+    q_nope with q_pe over the latent cache's one-head views)."""
     from b12x_inductor import validate
     from b12x_inductor.plan import select_plan
 
@@ -201,9 +201,9 @@ def kernel_plan(mode, heads, page_size, kv_dtype, descale, device):
                    **REPLAY_MODES[mode])
     k = t["latent"].unsqueeze(2)
     problem = validate.check_paged_attention(
-        torch.cat([t["q_nope"], t["q_pe"]], dim=-1), k, k[..., :RANK], t["page_table"], t["cache_seqlens"],
-        t["cu_seqlens_q"], kv_layout="NHD", causal=True, scale=SCALE, window_left=-1, kv_start=None, sinks=None,
-        softcap=0.0, k_descale=t["k_descale"], v_descale=t["k_descale"], key_mask=None, out=None)
+        t["q_nope"], k, k[..., :RANK], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"], kv_layout="NHD",
+        causal=True, scale=SCALE, window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=t["k_descale"],
+        v_descale=t["k_descale"], key_mask=None, q_pe=t["q_pe"], out=None)
     plan = select_plan(problem)
     assert plan.mode == ("extend" if mode == "extend_packed" else mode), plan
     return plan

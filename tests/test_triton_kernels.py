@@ -30,7 +30,8 @@ F8 = torch.float8_e4m3fn
 
 def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="NHD", dtype=torch.bfloat16,
                 kv_dtype=None, packed=False, lens=None, q_lens=None, kv_start=False, sinks=False, descale=None,
-                seed=0, device="cpu", spare_pages=1, nan_unused=False, key_mask=None, dv=None, v_view=False):
+                seed=0, device="cpu", spare_pages=1, nan_unused=False, key_mask=None, dv=None, v_view=False,
+                split_q=False):
     """Tensors of one call: caches are views of a combined [num_pages, 2, ...] cache (odd strides), pages in
     random order, fresh random values. `dv`: v's head dim where it differs from d (k and v are then the first
     d and dv columns of the two halves of a [..., max(d, dv)] cache); `v_view`: v is k's first dv columns, the
@@ -39,7 +40,8 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
     (unwritten or evicted memory: a kernel must never let it reach out). `key_mask` "request" ([B, 1,
     capacity]) or "rows" ([B, S, capacity], 4-D q): random holes, one query row (request 0's first) that sees
     no key, and a strided view (every other key column of a wider mask); with nan_unused, slots no row of
-    their request sees are NaN."""
+    their request sees are NaN. `split_q` (d 576): the query in two tensors, q its first 512 columns (a slice
+    of a wider buffer) and q_pe the last 64 (a transposed view), as MLA's q_nope and q_pe come."""
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
     dv = d if dv is None else dv
@@ -72,7 +74,7 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
     t = dict(k_cache=k_cache, v_cache=v_cache, page_table=page_table.int().to(device),
              cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device), cu_seqlens_q=None,
              kv_start=None, sinks=None, k_descale=None, v_descale=None,
-             key_mask=None if mask is None else mask.to(device))
+             key_mask=None if mask is None else mask.to(device), q_pe=None)
     if packed:
         q_lens = q_lens or [min(n, 5 + 3 * b) for b, n in enumerate(lens)]
         cu = [0]
@@ -82,6 +84,13 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
         t["q"] = torch.randn(cu[-1] + 3, hq, d, generator=gen).to(dtype).to(device)
     else:
         t["q"] = torch.randn(batch, q_len, hq, d, generator=gen).to(dtype).to(device)
+    if split_q:
+        assert d == 576, "split_q is absorbed MLA's query (d 576 = 512 + 64)"
+        q = t["q"]
+        wide = torch.full(q.shape[:-1] + (640,), float("nan"), dtype=q.dtype, device=device)
+        wide[..., :512] = q[..., :512]
+        rope = q[..., 512:].movedim(-2, 0).contiguous().movedim(0, -2)  # heads outermost: strides not q's
+        t["q"], t["q_pe"] = wide[..., :512], rope
     if kv_start:
         t["kv_start"] = torch.tensor(starts, dtype=torch.int32, device=device)
     if sinks:
@@ -162,6 +171,13 @@ INTERPRETER_CASES = [
                                                              dv=512, hq=2, hkv=1, v_view=True, kv_dtype=F8,
                                                              descale="bh", nan_unused=True), dict()),
     # v_from_k: V's tile taken from K's (v = k's first 512 columns), per mode and feature
+    ("decode_mla576_q_pe", "decode", (2, 16, 16), dict(d=576, dv=512, hq=8, hkv=1, v_view=True, split_q=True,
+                                                          nan_unused=True, sinks=True), dict()),
+    ("verify_mla576_q_pe_v_from_k", "verify", (1, 16, 16, True),
+     dict(q_len=3, d=576, dv=512, hq=4, hkv=1, v_view=True, split_q=True, kv_start=True, nan_unused=True), dict()),
+    ("extend_mla576_packed_q_pe", "extend", (1, 16, 16), dict(packed=True, lens=[20, 31], q_lens=[17, 9], d=576,
+                                                                 dv=512, hq=2, hkv=1, v_view=True, split_q=True,
+                                                                 nan_unused=True), dict()),
     ("decode_mla576_v_from_k", "decode", (2, 16, 16, True), dict(d=576, dv=512, hq=8, hkv=1, v_view=True,
                                                                  page_size=1, nan_unused=True, lens=[0, 23]),
      dict()),
@@ -328,6 +344,16 @@ GPU_CASES = [
                               lens=[500, 31], nan_unused=True), {}),
     ("extend_mla576_packed", dict(batch=2, hq=16, hkv=1, d=576, dv=512, v_view=True, page_size=16, packed=True,
                                   lens=[300, 129], q_lens=[150, 129], nan_unused=True), dict(scale=0.07)),
+    # absorbed MLA's query in two tensors (q_pe: a transposed view; q: a slice whose other columns are NaN)
+    ("decode_mla576_h128_q_pe", dict(batch=2, hq=128, hkv=1, d=576, dv=512, v_view=True, page_size=64,
+                                        lens=[3000, 200], split_q=True, sinks=True, nan_unused=True), {}),
+    ("verify_mla576_s4_q_pe_p16", dict(batch=3, q_len=4, hq=16, hkv=1, d=576, dv=512, v_view=True, page_size=16,
+                                          lens=[900, 31, 9], split_q=True, kv_start=True, nan_unused=True), {}),
+    ("decode_mla576_fp8_q_pe", dict(batch=2, hq=16, hkv=1, d=576, dv=512, v_view=True, page_size=64,
+                                       lens=[1000, 77], kv_dtype=F8, descale="b", split_q=True, nan_unused=True), {}),
+    ("extend_mla576_packed_q_pe", dict(batch=2, hq=16, hkv=1, d=576, dv=512, v_view=True, page_size=16,
+                                          packed=True, lens=[300, 129], q_lens=[150, 129], split_q=True,
+                                          nan_unused=True), dict(scale=0.07)),
 ]
 
 
@@ -337,7 +363,7 @@ def _call(t, options, out=None):
     return b12x.paged_attention(t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"],
                                 t["cu_seqlens_q"], kv_start=t["kv_start"], sinks=t["sinks"],
                                 k_descale=t["k_descale"], v_descale=t["v_descale"], key_mask=t.get("key_mask"),
-                                return_lse=True, out=out,
+                                q_pe=t.get("q_pe"), return_lse=True, out=out,
                                 **options)
 
 
@@ -356,7 +382,7 @@ def _plan_of(t, options):
         kv_layout=options.get("kv_layout", "NHD"), causal=options.get("causal", True), scale=options.get("scale"),
         window_left=options.get("window_left", -1), kv_start=t["kv_start"], sinks=t["sinks"],
         softcap=options.get("softcap", 0.0), k_descale=t["k_descale"], v_descale=t["v_descale"],
-        key_mask=t.get("key_mask"), out=None)
+        key_mask=t.get("key_mask"), q_pe=t.get("q_pe"), out=None)
     return select_plan(problem)
 
 

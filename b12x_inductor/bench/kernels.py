@@ -410,7 +410,7 @@ def b12x_call(s, shape, mode, variant=None, family=None):
     the_call = kernels.Call(
         q=s["q"], k_cache=s["k_cache"], v_cache=s["v_cache"], page_table=s["page_table"],
         cache_seqlens=s["cache_seqlens"], cu_seqlens_q=None, kv_start=None, sinks=s["sinks"],
-        k_descale=s["k_descale"], v_descale=s["v_descale"], key_mask=None, out=out,
+        k_descale=s["k_descale"], v_descale=s["v_descale"], key_mask=None, q_pe=None, out=out,
         lse=torch.empty(s["q"].shape[:-1], dtype=torch.float32, device=DEVICE),
         scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=DEVICE),
         options=kernels.Options(kv_layout="NHD", causal=True, scale=shape.d**-0.5, window_left=shape.window_left,

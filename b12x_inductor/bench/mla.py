@@ -8,8 +8,8 @@ Rows, for each H in --heads (default 128, 16): decode B x L in 1x32768, 32x4096,
 S=4 (causal) in 32x4096; and decode with a float8_e4m3fn cache (descale 0.5) in 32x4096, 64x4096, 128x2048 at
 H=16 (at every H of --heads when 16 is not among them).
 
-Side by side in one process: b12x (`b12x_inductor.mla_attention`, the plan select_plan picks; the call
-includes its cat(q_nope, q_pe)) and FlashInfer's `flashinfer.mla.BatchMLAPagedAttentionWrapper` with the
+Side by side in one process: b12x (`b12x_inductor.mla_attention`, the plan select_plan picks; q_nope and
+q_pe apart, which the kernels read in place) and FlashInfer's `flashinfer.mla.BatchMLAPagedAttentionWrapper` with the
 "fa2" and "fa3" backends (q_nope and q_pe apart, as it takes them; ckv = kv_cache[..., :512] and kpe =
 kv_cache[..., 512:], views of the one latent cache: no copy; should FlashInfer refuse the views or get them
 wrong, it runs on contiguous separate ckv/kpe copies, its own layout, and the JSON cell says so;
@@ -31,7 +31,7 @@ benchmarks/results), --tag (default h200), --sizes BxL (dry run: every row at th
 e.g. 2x128), --variants (tuning: '[family:]splits:block_n:stages:warps[:block_m][:vk],...' (vk: V's tile
 taken from K's, plan.v_from_k), family default
 triton, 0 keeps the plan's value: that family's plan through plan.family_plan, as bench/kernels.py's
-b12x_call, on the pre-concatenated q, so without the cat), --warm-peers (JIT-build FlashInfer's MLA modules
+b12x_call, on q_nope and q_pe as mla_attention passes them, without its checks), --warm-peers (JIT-build FlashInfer's MLA modules
 on tiny inputs, then exit). B12X_BENCH_DEVICE=cpu runs the harness on the CPU (wall-clock timing, two input
 sets, no FlashInfer): a dry run.
 """
@@ -163,18 +163,18 @@ def b12x_call(s):
 def b12x_variant_call(s, family, variant):
     """One family's plan (plan.family_plan) with (num_splits, block_n, num_stages, num_warps, block_m)
     replaced where the variant gives a nonzero value, and a last field "vk" for v_from_k (V's tile taken from
-    K's), as kernels.b12x_call runs its variants, on the views mla_attention builds (q = cat(q_nope, q_pe),
-    made once here: the timed call is the kernel alone)."""
+    K's), as kernels.b12x_call runs its variants, on the views mla_attention builds (q_nope and q_pe apart, the
+    one-head cache views: the timed call is the kernels alone, without mla_attention's checks)."""
     from b12x_inductor import kernels as kfam, validate
     from b12x_inductor.plan import family_plan
 
-    q = torch.cat([s["q_nope"], s["q_pe"]], dim=-1)
+    q, q_pe = s["q_nope"], s["q_pe"]
     k_cache = s["kv_cache"].unsqueeze(2)
     v_cache = k_cache[..., :RANK]
     problem = validate.check_paged_attention(
         q, k_cache, v_cache, s["page_table"], s["cache_seqlens"], None, kv_layout="NHD", causal=True,
         scale=SCALE, window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=s["k_descale"],
-        v_descale=s["k_descale"], out=None)
+        v_descale=s["k_descale"], q_pe=q_pe, out=None)
     v_from_k = bool(variant) and variant[-1] == "vk"
     fields = dict(zip(("num_splits", "block_n", "num_stages", "num_warps", "block_m"),
                       variant[:-1] if v_from_k else variant))
@@ -186,7 +186,7 @@ def b12x_variant_call(s, family, variant):
     the_call = kfam.Call(
         q=q, k_cache=k_cache, v_cache=v_cache, page_table=s["page_table"], cache_seqlens=s["cache_seqlens"],
         cu_seqlens_q=None, kv_start=None, sinks=None, k_descale=s["k_descale"], v_descale=s["k_descale"],
-        key_mask=None, out=out, lse=torch.empty(q.shape[:-1], dtype=torch.float32, device=_device()),
+        key_mask=None, q_pe=q_pe, out=out, lse=torch.empty(q.shape[:-1], dtype=torch.float32, device=_device()),
         scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=_device()),
         options=kfam.Options(kv_layout="NHD", causal=True, scale=SCALE, window_left=-1, softcap=0.0),
         plan=plan)

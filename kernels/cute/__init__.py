@@ -307,8 +307,8 @@ def _compiled_mla(key):
     def ptr(dt, align=4):
         return make_ptr(dt, 1 << 20, gmem, assumed_align=align)
 
-    pointers = dict(q_ptr=ptr(qt, 16), k_ptr=ptr(qt, 16), pt_ptr=ptr(Int32), seqlens_ptr=ptr(Int32),
-                    kv_start_ptr=ptr(Int32), sinks_ptr=ptr(Float32), part_o_ptr=ptr(Float32),
+    pointers = dict(q_ptr=ptr(qt, 16), qpe_ptr=ptr(qt, 16), k_ptr=ptr(qt, 16), pt_ptr=ptr(Int32),
+                    seqlens_ptr=ptr(Int32), kv_start_ptr=ptr(Int32), sinks_ptr=ptr(Float32), part_o_ptr=ptr(Float32),
                     part_l_ptr=ptr(Float32), out_ptr=ptr(qt, 2), lse_ptr=ptr(Float32))
     return cute.compile(kernel, *_fake_args(cls, pointers))
 
@@ -495,7 +495,11 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
             raise ValueError(f"paged_attention: the cute family's MLA kernel takes a 16-bit cache and no {name}")
     batch, s, hq, _ = q.shape
     page, _ = cache_dims(k_cache.shape, layout)
-    _check_aligned("q", q, MLA_D)
+    q_pe = tensors["q_pe"]
+    if q_pe is None:  # the query in one tensor: its rope part is the view of its columns 512..
+        q_pe = q[..., MLA_DV:]
+    _check_aligned("q", q, MLA_DV)
+    _check_aligned("q_pe", q_pe, MLA_D - MLA_DV)
     _check_aligned("k_cache", k_cache, MLA_D)
     splits = plan["num_splits"]
     if splits == 1:
@@ -509,12 +513,13 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
     stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     with torch.cuda.device(q.device):
         compiled(*_launch_args(mla_kernel_class(plan["num_warps"]), dict(
-            q_ptr=_ptr(q, 16), k_ptr=_ptr(k_cache, 16), pt_ptr=_ptr(pt, 4, torch.int32),
+            q_ptr=_ptr(q, 16), qpe_ptr=_ptr(q_pe, 16), k_ptr=_ptr(k_cache, 16), pt_ptr=_ptr(pt, 4, torch.int32),
             seqlens_ptr=_ptr(tensors["cache_seqlens"], 4, torch.int32),
             kv_start_ptr=_ptr(kv_start if kv_start is not None else lse, 4, torch.int32),
             sinks_ptr=_ptr(sinks if sinks is not None else lse, 4, torch.float32), part_o_ptr=_ptr(part_o, 4),
             part_l_ptr=_ptr(part_l, 4), out_ptr=_ptr(out, 2), lse_ptr=_ptr(lse, 4), batch=Int32(batch),
-            q_sb=Int64(q.stride(0)), q_ss=Int64(q.stride(1)), q_sh=Int64(q.stride(2)), k_sp=Int64(kp),
+            q_sb=Int64(q.stride(0)), q_ss=Int64(q.stride(1)), q_sh=Int64(q.stride(2)), pe_sb=Int64(q_pe.stride(0)),
+            pe_ss=Int64(q_pe.stride(1)), pe_sh=Int64(q_pe.stride(2)), k_sp=Int64(kp),
             k_so=Int64(ko), pt_sb=Int64(pt.stride(0)), has_kv_start=Int32(kv_start is not None),
             has_sinks=Int32(sinks is not None), sm_scale=Float32(float(options["scale"])),
             softcap=Float32(softcap if softcap > 0 else 1.0), k_pages=Int32(k_cache.shape[0]),
@@ -590,11 +595,14 @@ class CuteFamily:
         precompile(problem, plan, options)
 
     def run(self, call) -> None:
-        mla = call.plan.block_m == MLA_BLOCK_M and call.k_cache.shape[-1] == MLA_D
+        mla = call.plan.block_m == MLA_BLOCK_M and call.k_cache.shape[-1] == MLA_D and call.mode != "extend"
         if call.key_mask is not None or (call.v_cache.shape[-1] != call.k_cache.shape[-1] and not mla):
             raise ValueError("paged_attention: the cute family takes no key_mask and no value head dim apart from "
                              "the key's but absorbed MLA's (supports() refuses them; select_plan picks the Triton "
                              "family)")
+        if call.q_pe is not None and not mla:
+            raise ValueError("paged_attention: of the cute family only the MLA decode/verify kernel takes q_pe "
+                             f"(plan {call.plan})")
         run(call.mode, call.inputs(), out=call.out, lse=call.lse, scratch=call.scratch,
             options=call.options.as_kwargs(), plan=call.plan.constants())
 

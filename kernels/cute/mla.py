@@ -98,29 +98,31 @@ class MlaSplitKernel:
 
     @cute.jit
     def __call__(
-        self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, pt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
-        kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
-        out_ptr: cute.Pointer, lse_ptr: cute.Pointer, batch: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64,
-        k_sp: Int64, k_so: Int64, pt_sb: Int64, has_kv_start: Int32, has_sinks: Int32, sm_scale: Float32,
-        softcap: Float32, k_pages: Int32, max_pages: Int32, stream,
+        self, q_ptr: cute.Pointer, qpe_ptr: cute.Pointer, k_ptr: cute.Pointer, pt_ptr: cute.Pointer,
+        seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer, part_o_ptr: cute.Pointer,
+        part_l_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, batch: Int32, q_sb: Int64,
+        q_ss: Int64, q_sh: Int64, pe_sb: Int64, pe_ss: Int64, pe_sh: Int64, k_sp: Int64, k_so: Int64, pt_sb: Int64,
+        has_kv_start: Int32, has_sinks: Int32, sm_scale: Float32, softcap: Float32, k_pages: Int32,
+        max_pages: Int32, stream,
     ):
         tma_k, m_k = None, None
         if const_expr(self.box != 0):
             tma_k, m_k = tma.cache_tma(k_ptr, k_pages, k_sp, k_so, k_so, page=self.page, d=D, hkv=1, box=self.box)
         self.kernel(
-            q_ptr, k_ptr, pt_ptr, seqlens_ptr, kv_start_ptr, sinks_ptr, part_o_ptr, part_l_ptr, out_ptr, lse_ptr,
-            q_sb, q_ss, q_sh, k_sp, k_so, pt_sb, has_kv_start, has_sinks, sm_scale, softcap, max_pages * self.page,
-            k_pages, tma_k, m_k,
+            q_ptr, qpe_ptr, k_ptr, pt_ptr, seqlens_ptr, kv_start_ptr, sinks_ptr, part_o_ptr, part_l_ptr, out_ptr,
+            lse_ptr, q_sb, q_ss, q_sh, pe_sb, pe_ss, pe_sh, k_sp, k_so, pt_sb, has_kv_start, has_sinks, sm_scale,
+            softcap, max_pages * self.page, k_pages, tma_k, m_k,
         ).launch(grid=(self.num_splits, self.row_blocks, batch), block=(self.threads, 1, 1), smem=self.smem_bytes,
                  stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(
-        self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, pt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
-        kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
-        out_ptr: cute.Pointer, lse_ptr: cute.Pointer, q_sb: Int64, q_ss: Int64, q_sh: Int64, k_sp: Int64,
-        k_so: Int64, pt_sb: Int64, has_kv_start: Int32, has_sinks: Int32, sm_scale: Float32, softcap: Float32,
-        cap: Int32, num_pages: Int32, tma_k: cute.CopyAtom, m_k: cute.Tensor,
+        self, q_ptr: cute.Pointer, qpe_ptr: cute.Pointer, k_ptr: cute.Pointer, pt_ptr: cute.Pointer,
+        seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer, part_o_ptr: cute.Pointer,
+        part_l_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, q_sb: Int64, q_ss: Int64,
+        q_sh: Int64, pe_sb: Int64, pe_ss: Int64, pe_sh: Int64, k_sp: Int64, k_so: Int64, pt_sb: Int64,
+        has_kv_start: Int32, has_sinks: Int32, sm_scale: Float32, softcap: Float32, cap: Int32, num_pages: Int32,
+        tma_k: cute.CopyAtom, m_k: cute.Tensor,
     ):
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)  # kernels/cute/storage.py: mla_storage
         tidx, _, _ = cute.arch.thread_idx()
@@ -156,7 +158,7 @@ class MlaSplitKernel:
             ctid = tidx - 128
             wgc = wg - 1
             lt = tidx % 128
-            self._load_q(q_ptr, b, rb, q_sb, q_ss, q_sh, ctid, q_tile)
+            self._load_q(query_parts(q_ptr, q_sb, q_ss, q_sh, qpe_ptr, pe_sb, pe_ss, pe_sh), b, rb, ctid, q_tile)
 
             # ---- the operands' shared-memory views ----
             lq = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, BN, D), dt, 1)
@@ -369,37 +371,46 @@ class MlaSplitKernel:
                 cute.autovec_copy(chunk, dst)
 
     @cute.jit
-    def _load_q(self, q_ptr: cute.Pointer, b: Int32, rb: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64, ctid: Int32,
-                q_tile: cute.Pointer):
+    def _load_q(self, q: dict, b: Int32, rb: Int32, ctid: Int32, q_tile: cute.Pointer):
         """The CTA's 64 query rows -> shared memory by cp.async (both consumers; zeros past the request's rows),
         then a barrier of both consumers: Q is in place for their wgmma (_issue_q, then _wait_q)."""
-        self._issue_q(q_ptr, b, rb, q_sb, q_ss, q_sh, ctid, q_tile)
+        self._issue_q(q, b, rb, ctid, q_tile)
         self._wait_q()
 
     @cute.jit
-    def _issue_q(self, q_ptr: cute.Pointer, b: Int32, rb: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64, ctid: Int32,
-                 q_tile: cute.Pointer):
-        """_load_q's copies, as one cp.async group (its threads' 256 ids: ctid)."""
-        dt = self.dtype
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
+    def _issue_q(self, q: dict, b: Int32, rb: Int32, ctid: Int32, q_tile: cute.Pointer):
+        """_load_q's copies, as one cp.async group (its threads' 256 ids: ctid). `q` (`query_parts`): the query's
+        columns 0..511 and 512..575, each a pointer and (request, token, head) strides; row r of the request is
+        token r // Hq, head r % Hq."""
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
                                    num_bits_per_copy=128)
         wQ = _chunks_view(q_tile, BLOCK_M, 1)
-        q_base = q_ptr.toint() + Int64(b) * q_sb * 2
-        for i in cutlass.range_constexpr(BLOCK_M * CHUNKS // 256):
+        self._issue_q_part(atom, wQ, q["nope"], b, rb, ctid, 0, DV // 8)
+        self._issue_q_part(atom, wQ, q["pe"], b, rb, ctid, DV // 8, CHUNKS - DV // 8)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _issue_q_part(self, atom, wQ: cute.Tensor, part: tuple, b: Int32, rb: Int32, ctid: Int32,
+                      first: cutlass.Constexpr, n: cutlass.Constexpr):
+        """The cp.async copies of one part of the query rows: its 16-byte chunks 0 .. n - 1 of each row go to the
+        tile's chunks first .. first + n - 1 (BLOCK_M x n chunks, a whole number per thread)."""
+        dt = self.dtype
+        ptr, sb, ss, sh = part
+        base = ptr.toint() + Int64(b) * sb * (dt.width // 8)
+        for i in cutlass.range_constexpr(BLOCK_M * n // 256):
             e = ctid + i * 256
-            row = e // CHUNKS
-            ch = e % CHUNKS
-            dst = _chunk(wQ[0, None, None, None, None, None], row, ch)
+            row = e // n
+            c = e % n
+            dst = _chunk(wQ[0, None, None, None, None, None], row, first + c)
             r = rb * BLOCK_M + row
             if r < self.rows:
-                src_addr = q_base + (Int64(r // self.hq) * q_ss + Int64(r % self.hq) * q_sh + ch * 8) * 2
+                src_addr = base + (Int64(r // self.hq) * ss + Int64(r % self.hq) * sh + c * 8) * (dt.width // 8)
                 src = cute.make_tensor(cute.make_ptr(dt, src_addr, cute.AddressSpace.gmem, assumed_align=16),
                                        cute.make_layout((8,)))
                 cute.copy(atom, src, dst)
             else:
                 for k in cutlass.range_constexpr(8):
                     dst[k] = dt(0.0)
-        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def _wait_q(self):
@@ -524,6 +535,14 @@ class MlaSplitKernel:
                                    cute.make_layout((8,)))
             cute.copy(atom, src, _chunk(wK[stage, None, None, None, None, None], row, ch))
         cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier(mbar, NS, 0, stage))
+
+
+def query_parts(q_ptr, q_sb, q_ss, q_sh, qpe_ptr, pe_sb, pe_ss, pe_sh) -> dict:
+    """The query's two sources as `_issue_q` takes them: "nope", columns 0..511 (q), and "pe", 512..575 (q_pe,
+    or q's own columns 512.. when the query is one tensor: the host passes that view), each (pointer, request
+    stride, token stride, head stride) in elements."""
+    assert (BLOCK_M * (DV // 8)) % 256 == 0 and (BLOCK_M * (CHUNKS - DV // 8)) % 256 == 0
+    return {"nope": (q_ptr, q_sb, q_ss, q_sh), "pe": (qpe_ptr, pe_sb, pe_ss, pe_sh)}
 
 
 @cute.jit

@@ -55,7 +55,7 @@ from b12x_inductor.kernels.cute import MLA_DV as DV
 from b12x_inductor.kernels.cute import tma, tma_box
 from b12x_inductor.kernels.cute.common import NEG_BIG, LOG2E, PageRow, live_range, split_keys
 from b12x_inductor.kernels.cute.mla import (HALF, RESCALE_LOG2, SLABS, SUM_BAR, MlaSplitKernel, _moved,
-                                            _scale_rows, _with_stage_stride)
+                                            _scale_rows, _with_stage_stride, query_parts)
 from b12x_inductor.kernels.cute.softmax import online_softmax
 
 THREADS = 256  # two warpgroups, both consumers; warp 0 of each issues its refills
@@ -91,11 +91,12 @@ class MlaSeesawKernel(MlaSplitKernel):
 
     @cute.kernel
     def kernel(
-        self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, pt_ptr: cute.Pointer, seqlens_ptr: cute.Pointer,
-        kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
-        out_ptr: cute.Pointer, lse_ptr: cute.Pointer, q_sb: Int64, q_ss: Int64, q_sh: Int64, k_sp: Int64,
-        k_so: Int64, pt_sb: Int64, has_kv_start: Int32, has_sinks: Int32, sm_scale: Float32, softcap: Float32,
-        cap: Int32, num_pages: Int32, tma_k: cute.CopyAtom, m_k: cute.Tensor,
+        self, q_ptr: cute.Pointer, qpe_ptr: cute.Pointer, k_ptr: cute.Pointer, pt_ptr: cute.Pointer,
+        seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer, part_o_ptr: cute.Pointer,
+        part_l_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, q_sb: Int64, q_ss: Int64,
+        q_sh: Int64, pe_sb: Int64, pe_ss: Int64, pe_sh: Int64, k_sp: Int64, k_so: Int64, pt_sb: Int64,
+        has_kv_start: Int32, has_sinks: Int32, sm_scale: Float32, softcap: Float32, cap: Int32, num_pages: Int32,
+        tma_k: cute.CopyAtom, m_k: cute.Tensor,
     ):
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)  # storage.py: mla_seesaw_storage
         tidx, _, _ = cute.arch.thread_idx()
@@ -110,7 +111,8 @@ class MlaSeesawKernel(MlaSplitKernel):
         p0_tile = cute.recast_ptr(storage.p0.data_ptr(), dtype=dt)
         p1_tile = q_tile + (SLABS - 1) * SLAB  # Q's rope slab, free once r_q8 holds it
 
-        self._issue_q(q_ptr, b, rb, q_sb, q_ss, q_sh, tidx, q_tile)  # first: Q's address needs no load
+        # first: Q's address needs no load
+        self._issue_q(query_parts(q_ptr, q_sb, q_ss, q_sh, qpe_ptr, pe_sb, pe_ss, pe_sh), b, rb, tidx, q_tile)
         if tidx == 0:
             for i in cutlass.range_constexpr(2 * SLABS):
                 cute.arch.mbarrier_init(mbar + i, 1)  # the issuing lane's arrive with expect-tx

@@ -133,11 +133,13 @@ class Launch:
     kv_dtype: torch.dtype
     # strides, in elements
     q_strides: tuple[int, int, int]  # (request, token, head); request 0 for packed q
+    qpe_strides: tuple[int, int, int]  # the same of qpe
     k_strides: tuple[int, int, int]  # (page, slot, head)
     v_strides: tuple[int, int, int]
     pt_stride: int
     # operands
     q: object
+    qpe: object  # the query's columns BLOCK_D.. where d_blocks(d) has a tail (q_pe, or a view of q's), else q
     k: object
     v: object
     pt: object
@@ -169,7 +171,7 @@ def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
     window = options.window_left
     softcap = options.softcap
     common = (
-        *x.q_strides, *x.k_strides, *x.v_strides, x.pt_stride,
+        *x.q_strides, *x.qpe_strides, *x.k_strides, *x.v_strides, x.pt_stride,
         x.kds.stride_b, x.kds.stride_h, x.vds.stride_b, x.vds.stride_h, *x.km_strides,
         x.has_kv_start, x.has_sinks, x.kds.present, x.vds.present,
         max(window, 0), options.scale, softcap if softcap > 0 else 1.0,
@@ -184,8 +186,8 @@ def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
     if plan.mode == "extend":
         tiles = -(-x.q_len // plan.block_m) + x.batch if x.packed else x.batch * -(-x.q_len // plan.block_m)
         grid = (x.hq, tiles)
-        args = (x.q, x.k, x.v, x.pt, x.seqlens, x.cu, x.kv_start, x.sinks, x.kds.ptr, x.vds.ptr, x.key_mask, x.out,
-                x.lse, *common)
+        args = (x.q, x.qpe, x.k, x.v, x.pt, x.seqlens, x.cu, x.kv_start, x.sinks, x.kds.ptr, x.vds.ptr, x.key_mask,
+                x.out, x.lse, *common)
         consts = dict(B=x.batch, S=x.q_len, B_P2=next_pow2(x.batch + 1), G=g, HQ=x.hq, BLOCK_M=plan.block_m,
                       BLOCK_N=plan.block_n, PACKED=x.packed, **flags)
         if warmup:
@@ -197,8 +199,8 @@ def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
     splits = plan.num_splits
     m_tiles = -(-(x.q_len * g) // plan.block_m)
     grid = (x.batch * x.hkv * m_tiles, splits)
-    args = (x.q, x.k, x.v, x.pt, x.seqlens, x.kv_start, x.sinks, x.kds.ptr, x.vds.ptr, x.key_mask, x.out, x.lse,
-            x.part_o, x.part_l, *common)
+    args = (x.q, x.qpe, x.k, x.v, x.pt, x.seqlens, x.kv_start, x.sinks, x.kds.ptr, x.vds.ptr, x.key_mask, x.out,
+            x.lse, x.part_o, x.part_l, *common)
     consts = dict(S=x.q_len, G=g, HKV=x.hkv, M_TILES=m_tiles, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
                   NUM_SPLITS=splits, **flags)
     merge_grid = (x.batch * x.q_len * x.hq,)
@@ -237,6 +239,14 @@ def _launch_of(call) -> Launch:
     page_size, hkv = cache_dims(k_cache.shape, layout)
     batch, q_len = pt.shape[0], (q.shape[0] if call.packed else q.shape[1])
     qs = q.stride()
+    block_d, block_dpe = d_blocks(call.head_dim)
+    qpe = call.q_pe
+    if qpe is None:  # the tail block's columns of q itself (a view), or q where there is no tail
+        qpe = q[..., block_d:] if block_dpe else q
+    elif q.shape[-1] != block_d:
+        raise ValueError(f"paged_attention: the Triton family reads q_pe as the columns {block_d}.. of the query; "
+                         f"got q of head dim {q.shape[-1]}")
+    ps = qpe.stride()
     int_dummy, float_dummy = call.cache_seqlens, call.lse
     part_o = part_l = call.lse
     km = call.key_mask
@@ -247,12 +257,13 @@ def _launch_of(call) -> Launch:
         part_o, part_l = split_partials(call.scratch, batch * q_len * q.shape[-2] * call.plan.num_splits,
                                         v_cache.shape[-1])
     return Launch(
-        batch=batch, q_len=q_len, packed=call.packed, hq=q.shape[-2], hkv=hkv, d=q.shape[-1], dv=v_cache.shape[-1],
-        page_size=page_size,
+        batch=batch, q_len=q_len, packed=call.packed, hq=q.shape[-2], hkv=hkv, d=call.head_dim,
+        dv=v_cache.shape[-1], page_size=page_size,
         max_pages=pt.shape[1], num_pages=min(k_cache.shape[0], v_cache.shape[0]), q_dtype=q.dtype,
         kv_dtype=k_cache.dtype, q_strides=(0, qs[0], qs[1]) if call.packed else (qs[0], qs[1], qs[2]),
+        qpe_strides=(0, ps[0], ps[1]) if call.packed else (ps[0], ps[1], ps[2]),
         k_strides=_cache_strides(k_cache.stride(), layout), v_strides=_cache_strides(v_cache.stride(), layout),
-        pt_stride=pt.stride(0), q=q, k=k_cache, v=v_cache, pt=pt, seqlens=call.cache_seqlens,
+        pt_stride=pt.stride(0), q=q, qpe=qpe, k=k_cache, v=v_cache, pt=pt, seqlens=call.cache_seqlens,
         cu=call.cu_seqlens_q if call.packed else int_dummy,
         kv_start=int_dummy if call.kv_start is None else call.kv_start,
         sinks=float_dummy if call.sinks is None else call.sinks,
@@ -268,7 +279,7 @@ def run(call) -> None:
     if call.plan.v_from_k:
         from b12x_inductor.validate import v_is_prefix_of_k
 
-        if not (v_is_first_block(call.q.shape[-1], call.v_cache.shape[-1])
+        if not (v_is_first_block(call.head_dim, call.v_cache.shape[-1])
                 and v_is_prefix_of_k(call.k_cache, call.v_cache)):
             raise ValueError("paged_attention: the plan takes V's tile from K's (v_from_k=True), but v_cache is not "
                              "k_cache's first Dv columns with Dv the width of K's first column block: got k_cache "
@@ -306,8 +317,10 @@ def warmup_launch(problem, options) -> Launch:
         batch=b, q_len=s, packed=problem.packed, hq=hq, hkv=hkv, d=d, dv=dv, page_size=ps, max_pages=problem.max_pages,
         num_pages=1, q_dtype=problem.q_dtype, kv_dtype=problem.kv_dtype,
         q_strides=(0, q_strides[0], q_strides[1]) if problem.packed else q_strides[:3],
+        qpe_strides=(0, q_strides[0], q_strides[1]) if problem.packed else q_strides[:3],
         k_strides=_cache_strides(cache, problem.kv_layout), v_strides=_cache_strides(v_cache, problem.kv_layout),
-        pt_stride=problem.max_pages, q=problem.q_dtype, k=problem.kv_dtype, v=problem.kv_dtype, pt=i32,
+        pt_stride=problem.max_pages, q=problem.q_dtype, qpe=problem.q_dtype, k=problem.kv_dtype, v=problem.kv_dtype,
+        pt=i32,
         seqlens=i32, cu=i32, kv_start=i32, sinks=f32, kds=Descale(f32), vds=Descale(f32),
         key_mask=torch.uint8 if problem.key_mask else i32, km_strides=(0, 0, 0), has_key_mask=problem.key_mask,
         out=problem.q_dtype,

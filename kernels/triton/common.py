@@ -45,16 +45,18 @@ def page_id(page, num_pages):
 
 
 @triton.jit
-def q_rows(q_ptr, row_ok, offs_d, d_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr,
+def q_rows(q_ptr, pe_ptr, row_ok, offs_d, d_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr,
            DOT: tl.constexpr):
-    """The query rows at q_ptr [BLOCK_M] as (q [BLOCK_M, BLOCK_D], q_pe [BLOCK_M, BLOCK_DPE], offs_pe, pe_ok):
-    q_pe holds columns BLOCK_D.. of D (BLOCK_DPE > 0; else q_pe, offs_pe, pe_ok repeat q, offs_d, d_ok,
-    unused)."""
+    """The query rows [BLOCK_M] as (q [BLOCK_M, BLOCK_D], q_pe [BLOCK_M, BLOCK_DPE], offs_pe, pe_ok): q's
+    columns 0.. at q_ptr, and (BLOCK_DPE > 0) columns BLOCK_D.. of D at pe_ptr (the rows' tail: q_pe's rows, or
+    q's own rows from column BLOCK_D on; offs_pe are those columns' indices in K). BLOCK_DPE 0: q_pe, offs_pe,
+    pe_ok repeat q, offs_d, d_ok, unused."""
     q = tl.load(q_ptr[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
     if BLOCK_DPE > 0:
         offs_pe = BLOCK_D + tl.arange(0, BLOCK_DPE)
         pe_ok = offs_pe < D
-        q_pe = tl.load(q_ptr[:, None] + offs_pe[None, :], mask=row_ok[:, None] & pe_ok[None, :], other=0.0).to(DOT)
+        q_pe = tl.load(pe_ptr[:, None] + (offs_pe - BLOCK_D)[None, :], mask=row_ok[:, None] & pe_ok[None, :],
+                       other=0.0).to(DOT)
     else:
         offs_pe = offs_d
         pe_ok = d_ok

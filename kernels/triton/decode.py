@@ -11,8 +11,9 @@ otherwise it writes each split's normalized partial output and log2-sum-exp into
 Key j of request b lives at page page_table[b, j // PAGE] offset j % PAGE; the page id is widened to 64 bits
 before it is multiplied by the cache's page stride. NHD and HND differ only in the strides passed.
 
-q and k have head dim D (BLOCK_D columns, plus BLOCK_DPE from column BLOCK_D on for D = 576), v, out and the
-partials the value head dim DV (BLOCK_DV columns): DV differs from D for MLA (192 / 128, 576 / 512).
+q and k have head dim D (BLOCK_D columns, plus BLOCK_DPE from column BLOCK_D on for D = 576: q's first BLOCK_D
+columns at Q, the rest at QPE, which is q_pe or Q + BLOCK_D), v, out and the partials the value head dim DV
+(BLOCK_DV columns): DV differs from D for MLA (192 / 128, 576 / 512).
 
 The math both kernels share (one tile of the online softmax, the clamped key range, the epilogue) is in
 common.py.
@@ -30,8 +31,8 @@ from .common import LN2, LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, q_row
 
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
 def split_kernel(
-    Q, K, V, PT, SEQLENS, KV_START, SINKS, KDS, VDS, KM, OUT, LSE, PART_O, PART_L,
-    stride_qb, stride_qs, stride_qh,
+    Q, QPE, K, V, PT, SEQLENS, KV_START, SINKS, KDS, VDS, KM, OUT, LSE, PART_O, PART_L,
+    stride_qb, stride_qs, stride_qh, stride_peb, stride_pes, stride_peh,
     stride_kp, stride_ko, stride_kh,
     stride_vp, stride_vo, stride_vh,
     stride_ptb,
@@ -62,7 +63,8 @@ def split_kernel(
     dv_ok = offs_dv < DV
 
     q_ptr = Q + b.to(tl.int64) * stride_qb + tok.to(tl.int64) * stride_qs + hq.to(tl.int64) * stride_qh
-    q, q_pe, offs_pe, pe_ok = q_rows(q_ptr, row_ok, offs_d, d_ok, D, BLOCK_D, BLOCK_DPE, DOT)
+    pe_ptr = QPE + b.to(tl.int64) * stride_peb + tok.to(tl.int64) * stride_pes + hq.to(tl.int64) * stride_peh
+    q, q_pe, offs_pe, pe_ok = q_rows(q_ptr, pe_ptr, row_ok, offs_d, d_ok, D, BLOCK_D, BLOCK_DPE, DOT)
 
     length, start = live_range(SEQLENS, KV_START, has_kv_start, b, max_pages, PAGE)
     limit = length - S + tok  # causal limit of each row

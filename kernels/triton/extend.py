@@ -10,8 +10,9 @@ Packed q [T, Hq, D]: the grid is fixed by the capacity, cdiv(T, BLOCK_M) + B til
 its tile to a request on the device from cu_seqlens_q (a prefix sum of the per-request tile counts); the
 programs left over write zeros and lse = -inf into the padding rows past cu_seqlens_q[-1].
 
-q and k have head dim D (BLOCK_D columns, plus BLOCK_DPE from column BLOCK_D on for D = 576), v and out the
-value head dim DV (BLOCK_DV columns).
+q and k have head dim D (BLOCK_D columns, plus BLOCK_DPE from column BLOCK_D on for D = 576: q's first BLOCK_D
+columns at Q, the rest at QPE, which is q_pe or Q + BLOCK_D), v and out the value head dim DV (BLOCK_DV
+columns).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from .common import LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, q_rows, ti
 
 @triton.jit(do_not_specialize=["CU"] + RUNTIME_ARGS)
 def extend_kernel(
-    Q, K, V, PT, SEQLENS, CU, KV_START, SINKS, KDS, VDS, KM, OUT, LSE,
-    stride_qb, stride_qs, stride_qh,
+    Q, QPE, K, V, PT, SEQLENS, CU, KV_START, SINKS, KDS, VDS, KM, OUT, LSE,
+    stride_qb, stride_qs, stride_qh, stride_peb, stride_pes, stride_peh,
     stride_kp, stride_ko, stride_kh,
     stride_vp, stride_vo, stride_vh,
     stride_ptb,
@@ -88,9 +89,11 @@ def extend_kernel(
         row_ok = rows < n_b
         if PACKED:
             q_ptr = Q + (row0 + rows) * stride_qs + hq.to(tl.int64) * stride_qh
+            pe_ptr = QPE + (row0 + rows) * stride_pes + hq.to(tl.int64) * stride_peh
         else:
             q_ptr = Q + b.to(tl.int64) * stride_qb + rows.to(tl.int64) * stride_qs + hq.to(tl.int64) * stride_qh
-        q, q_pe, offs_pe, pe_ok = q_rows(q_ptr, row_ok, offs_d, d_ok, D, BLOCK_D, BLOCK_DPE, DOT)
+            pe_ptr = QPE + b.to(tl.int64) * stride_peb + rows.to(tl.int64) * stride_pes + hq.to(tl.int64) * stride_peh
+        q, q_pe, offs_pe, pe_ok = q_rows(q_ptr, pe_ptr, row_ok, offs_d, d_ok, D, BLOCK_D, BLOCK_DPE, DOT)
 
         length, start = live_range(SEQLENS, KV_START, has_kv_start, b, max_pages, PAGE)
         limit = length - n_b + rows
