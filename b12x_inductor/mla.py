@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from b12x_inductor import validate
+from b12x_inductor.plan import MLA_HEAD_DIMS
 
 __all__ = ["mla_attention", "mla_write_kv", "latent_cache"]
 
@@ -100,7 +101,8 @@ def mla_attention(
             bf16 or fp16 (fp32 too on CPU). Or, with q_pe None, the whole query [.., H, kv_lora_rank + rope_dim]
             (last dim contiguous).
         q_pe: [.., H, rope_dim] (q_nope's leading dims, its dtype and device; rope_dim 64 for DeepSeek), the
-            rope part; or None (q_nope is the whole query). The kernels read q_nope and q_pe in place, any
+            rope part; or None (q_nope is the whole query). With DeepSeek's 512 + 64 latent the kernels read
+            q_nope and q_pe in place (other widths, as tiny test configs have, are concatenated first), any
             strides (views such as a transposed rope output too) with the last dim contiguous (else that one is
             copied first); the CuTe kernel also needs their rows on 16 bytes (ValueError naming them if not).
         kv_cache: the latent cache [num_pages, page_size, kv_lora_rank + rope_dim] (vLLM's layout: per token
@@ -176,9 +178,12 @@ def mla_attention(
             _fail("q_pe", f"of q_nope's dtype {q_nope.dtype}", q_pe.dtype, "TypeError")
         if q_pe.device != q_nope.device:
             _fail("q_pe", f"on q_nope's device {q_nope.device}", q_pe.device)
-        # the kernels read both in place, rows of unit stride (any other strides): a copy only where that is not so
-        q = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
-        q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+        if MLA_HEAD_DIMS.get(width) == kv_lora_rank:
+            # the kernels read both in place, rows of unit stride (any other strides): a copy only where not so
+            q = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
+            q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+        else:  # other latent widths (small test configs) are plain head dims: one query tensor
+            q, q_pe = torch.cat([q_nope, q_pe], dim=-1), None
     k_cache = kv_cache.unsqueeze(2)  # [num_pages, page_size, 1, kv_lora_rank + rope_dim]: one KV head, NHD
     v_cache = k_cache[..., :kv_lora_rank]  # the values: the latent, the keys' first kv_lora_rank columns
     if v_descale is None:
