@@ -300,6 +300,21 @@ def test_cute_mla_rejects_an_unaligned_out_with_one_split():
                  plan=dict(num_splits=1))
 
 
+def test_cute_extend_rejects_an_unaligned_out():
+    """The extend kernel stores out's rows 16 bytes at a time (staged through shared memory): an out whose rows
+    do not start on 16 bytes is refused by name before anything compiles or launches."""
+    pytest.importorskip("cuda.bindings.driver")
+    from b12x_inductor.kernels.cute import _run_extend
+
+    cache = torch.zeros(2, 16, 2, 128, dtype=torch.bfloat16)
+    tensors = dict(q=torch.zeros(1, 8, 4, 128, dtype=torch.bfloat16), k_cache=cache, v_cache=cache,
+                   page_table=torch.zeros(1, 2, dtype=torch.int32), cache_seqlens=torch.full((1,), 8, dtype=torch.int32),
+                   cu_seqlens_q=None, kv_start=None, sinks=None, k_descale=None, v_descale=None)
+    out = torch.zeros(8 * 4 * 128 + 4, dtype=torch.bfloat16)[4:].view(1, 8, 4, 128)  # rows start 8 bytes in
+    with pytest.raises(ValueError, match=r"needs out with 16-byte aligned rows .* got data_ptr % 16 = 8"):
+        _run_extend(tensors, out=out, lse=torch.zeros(1, 8, 4), options=dict(kv_layout="NHD"), plan={})
+
+
 @pytest.mark.parametrize("which", ["q_pe_pointer", "q_pe_stride", "q_stride"])
 def test_cute_mla_rejects_an_unaligned_query_part(which):
     """The MLA kernels copy the query's rows in 16-byte chunks from q (columns 0..511) and q_pe (512..575): a part

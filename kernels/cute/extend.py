@@ -30,6 +30,8 @@ One CTA of three warpgroups takes BM = 128 consecutive new tokens of one request
   the MUFU.EX2), serializing them with the product.
 - the consumers take turns issuing their GEMMs (named barriers 3 and 4, as FlashAttention-3's ping-pong):
   one warpgroup's softmax runs while the other's products occupy the tensor cores.
+- each consumer's output leaves through its own 64 rows of the Q tile (free after its last product), in
+  16-byte stores of whole row chunks (`_epilogue`; out's rows start on 16 bytes, which `_run_extend` checks).
 
 Shared-memory tiles use the 128-byte swizzle wgmma reads: a tile of rows x D (Q, K or V; row = token or key)
 is stored as D / 64 slabs of rows x 128 bytes, 16-byte chunk c of row r at chunk position c ^ (r % 8). The
@@ -64,6 +66,7 @@ from b12x_inductor.kernels.cute import EXTEND_BLOCK_M as BLOCK_M
 from b12x_inductor.kernels.cute import extend_geometry, tma, tma_box
 from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
                                                live_range, release_phase, scales, stage_phase)
+from b12x_inductor.kernels.cute.ptx import pack2
 from b12x_inductor.kernels.cute.softmax import online_softmax
 
 THREADS = 384  # producer warpgroup + two consumer warpgroups
@@ -112,9 +115,9 @@ class ExtendKernel:
 
     @cute.jit
     def _tile_map(self, cu_ptr: cute.Pointer, t: Int32):
-        """(b, mt, n_b, row0, pad_from): tile t's request, its row tile (longest first for 4D q), the request's
-        new-token count, its first row in q/out, and for packed q the first padding row this tile writes
-        (-1 for a real tile)."""
+        """(b, mt, n_b, row0, pad_from): tile t's request, its row tile (for 4D q as the Triton kernel:
+        request t % B, the longest row tiles of all requests first), the request's new-token count, its first
+        row in q/out, and for packed q the first padding row this tile writes (-1 for a real tile)."""
         b = Int32(0)
         mt = Int32(0)
         n_b = Int32(self.s)
@@ -139,9 +142,11 @@ class ExtendKernel:
                 end = cutlass.min(cutlass.max(Int32(cu[self.batch]), Int32(0)), Int32(self.s))
                 pad_from = end + (t - cum) * BLOCK_M
         else:
+            # longest first across the batch: every request's last row tile (the most keys under a causal
+            # mask) before any request's second-to-last, so the last CTAs to start are the shortest
             per_req = const_expr(-(-self.s // BLOCK_M))
-            b = t // per_req
-            mt = per_req - 1 - t % per_req
+            b = t % self.batch
+            mt = per_req - 1 - t // self.batch
             row0 = Int64(b) * self.s
         return b, mt, n_b, row0, pad_from
 
@@ -329,7 +334,7 @@ class ExtendKernel:
                     self._take_turn(0)  # the other warpgroup's last pass: every turn barrier ends complete
 
                 self._epilogue(acc_o, t_co, m_run, l_run, v_scale, sinks_ptr, has_sinks, hq, mt, n_b, row0, out_ptr,
-                               lse_rows)
+                               lse_rows, q_tile, wQ, ctid, wgc)
 
     @cute.jit
     def _load_q(self, q_ptr: cute.Pointer, b: Int32, hq: Int32, row0: Int64, mt: Int32, n_b: Int32, q_sb: Int64,
@@ -366,12 +371,24 @@ class ExtendKernel:
     @cute.jit
     def _epilogue(self, acc_o: cute.Tensor, t_co: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor,
                   v_scale: Float32, sinks_ptr: cute.Pointer, has_sinks: Int32, hq: Int32, mt: Int32, n_b: Int32,
-                  row0: Int64, out_ptr: cute.Pointer, lse_rows: cute.Tensor):
+                  row0: Int64, out_ptr: cute.Pointer, lse_rows: cute.Tensor, q_tile: cute.Pointer, wQ: cute.Tensor,
+                  ctid: Int32, wgc: Int32):
         """The sink folded into each row's denominator, the normalized output rows and their natural-log lse
-        (zeros and -inf for a row that saw no key), for this thread's two fragment rows."""
+        (zeros and -inf for a row that saw no key), for this consumer warpgroup's 64 rows.
+
+        O leaves through this warpgroup's own 64 rows of the Q tile, free once its last S = Q K^T is done (its
+        products have all completed: the wait after the last P V): each thread writes its scaled pairs into
+        the tile's swizzled chunks (conflict-free), then the warpgroup copies whole 16-byte chunks out, each
+        warp two rows of D contiguous values per instruction (the fragment's own stores would touch 8 rows of
+        4 bytes each per instruction). out's rows start on 16 bytes (`_run_extend` checks)."""
         D = const_expr(self.d)
+        CH = const_expr(self.chunks)
         dt = self.dtype
         NO_ELEMS = const_expr(cute.size(acc_o))
+        SLABS = const_expr(max(D // 64, 1))
+        # the Q tile as 32-bit words: (slab, row // 8, row % 8, chunk position, word), as chunks_view
+        s_w = cute.make_tensor(cute.recast_ptr(q_tile, dtype=Uint32), cute.make_layout(
+            (SLABS, BLOCK_M // 8, 8, 8, 4), stride=(BLOCK_M * 32, 256, 32, 4, 1)))
         sink = Float32(NEG_BIG)
         if has_sinks != 0:
             sinks = cute.make_tensor(sinks_ptr, cute.make_layout((1 << 30,)))
@@ -390,18 +407,32 @@ class ExtendKernel:
             if seen:
                 f = cute.arch.exp2(m_r - m_f) * v_scale / l_f
             row = t_co[2 * rh][0]
+            for e in cutlass.range_constexpr(0, NO_ELEMS, 2):  # e, e + 1: adjacent columns of one row
+                if const_expr((e // 2) % 2 == rh):
+                    col = t_co[e][1]
+                    ch = col // 8
+                    s_w[ch // 8, row // 8, row % 8, (ch % 8) ^ (row % 8), (col % 8) // 2] = pack2(
+                        acc_o[e] * f, acc_o[e + 1] * f, bf16=dt == cutlass.BFloat16)
             r = mt * BLOCK_M + row
             if r < n_b:
-                out_row = (row0 + Int64(r)) * self.hq + Int64(hq)
-                orow = cute.make_tensor(out_ptr + out_row * D, cute.make_layout((D,)))
-                for i in cutlass.range_constexpr(NO_ELEMS):
-                    if const_expr((i // 2) % 2 == rh):
-                        orow[t_co[i][1]] = (acc_o[i] * f).to(dt)
                 if t_co[2 * rh][1] == 0:
                     lse = Float32(-math.inf)
                     if seen:
                         lse = (m_f + cute.math.log2(l_f)) * Float32(LN2)
-                    lse_rows[out_row] = lse
+                    lse_rows[(row0 + Int64(r)) * self.hq + Int64(hq)] = lse
+        cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
+        chunk = cute.make_rmem_tensor((8,), dt)
+        for i in cutlass.range_constexpr(64 * CH // 128):
+            ci = (ctid % 128) + i * 128
+            row = wgc * 64 + ci // CH
+            ch = ci % CH
+            r = mt * BLOCK_M + row
+            if r < n_b:
+                cute.autovec_copy(self._chunk(wQ[0, None, None, None, None, None], row, ch), chunk)
+                addr = out_ptr.toint() + (((row0 + Int64(r)) * self.hq + Int64(hq)) * D + ch * 8) * 2
+                dst = cute.make_tensor(cute.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=16),
+                                       cute.make_layout((8,)))
+                cute.autovec_copy(chunk, dst)
 
     def _mma_qk(self):
         """S = Q K^T: two warpgroups of 64 rows, Q and K from shared memory (both K-major)."""

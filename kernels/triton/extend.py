@@ -5,7 +5,8 @@ and walks the visible keys in BLOCK_N tiles with an online softmax. The key rang
 masked head (kv_start, window), an unmasked middle (every key visible to every row) and a masked tail (the
 causal diagonal), so the middle, which holds most of the work, computes no masks.
 
-4D q [B, S, Hq, D]: tile t is request t // cdiv(S, BLOCK_M); its longest (last) tiles run first.
+4D q [B, S, Hq, D]: tile t is request t % B, row tile cdiv(S, BLOCK_M) - 1 - t // B: the longest (last) row
+tiles of every request run first, the shortest last (less of a tail under a causal mask).
 Packed q [T, Hq, D]: the grid is fixed by the capacity, cdiv(T, BLOCK_M) + B tiles, and each program maps
 its tile to a request on the device from cu_seqlens_q (a prefix sum of the per-request tile counts); the
 programs left over write zeros and lse = -inf into the padding rows past cu_seqlens_q[-1].
@@ -67,9 +68,11 @@ def extend_kernel(
         row0 = q0.to(tl.int64)
         end = tl.minimum(tl.maximum(tl.load(CU + B), 0), S)
     else:
+        # longest first across the batch: every request's last row tile (the most keys under a causal mask)
+        # before any request's second-to-last, so the last programs to start are the shortest
         tiles_per_req: tl.constexpr = (S + BLOCK_M - 1) // BLOCK_M
-        b = t // tiles_per_req
-        mt = tiles_per_req - 1 - t % tiles_per_req
+        b = t % B
+        mt = tiles_per_req - 1 - t // B
         n_b = S
         is_pad: tl.constexpr = False
         total = 0
