@@ -379,8 +379,9 @@ class ExtendKernel:
         O leaves through this warpgroup's own 64 rows of the Q tile, free once its last S = Q K^T is done (its
         products have all completed: the wait after the last P V): each thread writes its scaled pairs into
         the tile's swizzled chunks (conflict-free), then the warpgroup copies whole 16-byte chunks out, each
-        warp two rows of D contiguous values per instruction (the fragment's own stores would touch 8 rows of
-        4 bytes each per instruction). out's rows start on 16 bytes (`_run_extend` checks)."""
+        warp 512 bytes of whole rows per instruction (two rows at D 128, four at D 64; the fragment's own stores
+        would touch 8 rows of 4 bytes each per instruction). out's rows start on 16 bytes (`_run_extend`
+        checks)."""
         D = const_expr(self.d)
         CH = const_expr(self.chunks)
         dt = self.dtype
