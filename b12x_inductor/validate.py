@@ -300,17 +300,15 @@ def _check_q_pe(op: str, q, q_pe, d) -> int:
     device, last dim contiguous (any other strides). Returns its width. (Sizes may be symbolic: compared,
     never hashed.)"""
     _check_tensor(op, "q_pe", q_pe, dim=q.dim(), dtype=q.dtype, device=q.device)
-    for mla_d, rank in MLA_HEAD_DIMS.items():
-        if d == mla_d:
-            break
-    else:
+    rank = MLA_HEAD_DIMS.get(d)
+    if rank is None:
         _fail(op, "q_pe", "None unless k_cache's head dim is absorbed MLA's ("
               + ", ".join(f"{k} = {v} + {k - v}" for k, v in MLA_HEAD_DIMS.items()) + ": q holds the query's "
               "first columns, as many as the value head dim, and q_pe the rest)", f"a tensor with head dim {d}")
-    want = _shape(q)[:-1] + (mla_d - rank,)
+    want = _shape(q)[:-1] + (d - rank,)
     if q.shape[-1] != rank or _shape(q_pe) != want:
         _fail(op, "q_pe", f"of shape {want} with q of last dim {rank} (the query is cat(q, q_pe): q its first "
-              f"{rank} columns, q_pe the last {mla_d - rank})", f"q of shape {_shape(q)}, q_pe of shape {_shape(q_pe)}")
+              f"{rank} columns, q_pe the last {d - rank})", f"q of shape {_shape(q)}, q_pe of shape {_shape(q_pe)}")
     if q_pe.stride(-1) != 1:
         _fail(op, "q_pe", "contiguous in its last dim", f"strides {tuple(q_pe.stride())}")
     return q_pe.shape[-1]

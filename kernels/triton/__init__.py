@@ -133,7 +133,7 @@ class Launch:
     kv_dtype: torch.dtype
     # strides, in elements
     q_strides: tuple[int, int, int]  # (request, token, head); request 0 for packed q
-    qpe_strides: tuple[int, int, int]  # the same of qpe
+    qpe_strides: tuple[int, int, int]  # (request, token, head) of qpe; request 0 for packed q
     k_strides: tuple[int, int, int]  # (page, slot, head)
     v_strides: tuple[int, int, int]
     pt_stride: int
