@@ -36,7 +36,7 @@ def cute_configs():
 
     f8, bf, fp = torch.float8_e4m3fn, torch.bfloat16, torch.float16
     # split: (d, s, g, hkv, page, splits, block_m, tile_n, stages, warps, q, kv, causal, window, softcap)
-    # extend: (d, g, hq, batch, s, page, packed, tile_n, stages, q, causal, window, softcap)
+    # extend: (d, g, hq, batch, s, page, packed, tile_n, stages, q, causal, window, softcap, sm_count)
     return [
         ("split", (128, 1, 4, 8, 16, 8, 1, 64, 2, 4, bf, bf, False, False, False)),
         ("split", (64, 1, 4, 8, 16, 8, 1, 64, 2, 4, bf, bf, False, True, True)),
@@ -44,9 +44,9 @@ def cute_configs():
         ("split", (128, 1, 4, 8, 64, 8, 16, 128, 2, 4, fp, f8, False, True, False)),
         ("split", (128, 4, 4, 8, 16, 8, 1, 64, 2, 4, fp, f8, True, True, False)),
         ("split", (256, 2, 8, 2, 5, 4, 1, 64, 2, 4, bf, bf, True, False, True)),
-        ("extend", (128, 4, 32, 4, 1024, 16, False, 128, 3, bf, True, False, False)),
-        ("extend", (64, 4, 32, 4, 2048, 64, True, 128, 4, bf, True, True, True)),
-        ("extend", (128, 1, 8, 2, 300, 1, True, 128, 3, fp, False, False, False)),
+        ("extend", (128, 4, 32, 4, 1024, 16, False, 128, 3, bf, True, False, False, 132)),
+        ("extend", (64, 4, 32, 4, 2048, 64, True, 128, 4, bf, True, True, True, 132)),
+        ("extend", (128, 1, 8, 2, 300, 1, True, 128, 3, fp, False, False, False, 132)),
         # mla: (s, hq, page, splits, tile_n, stages, q, causal, softcap, warps: 12 mla.py, 8 mla_seesaw.py)
         ("mla", (1, 128, 64, 2, 32, 4, bf, False, False, 12)),
         ("mla", (4, 16, 1, 1, 32, 4, bf, True, True, 12)),

@@ -366,10 +366,42 @@ def test_gpu_cute_extend_matches_reference(name, kw, options, variant):
     check_close(out, lse, *_reference(t, options), what=f"{name} {plan}")
 
 
+def _few_ctas(monkeypatch, ctas: int) -> None:
+    """The extend kernel runs as if the GPU had `ctas` SMs: its persistent CTAs (one per SM) then take many
+    work items each, so the ring, its barrier phases and the GEMM turns run on across items (0: the GPU's own
+    count)."""
+    from b12x_inductor.kernels import cute
+
+    if ctas:
+        real = cute.device_facts
+        monkeypatch.setattr(cute, "device_facts", lambda device: (ctas, real(device)[1]))
+
+
 @pytest.mark.gpu
 @needs_cute
-def test_gpu_cute_extend_cuda_graph_replay():
-    """Packed extend: capture once; poison the outputs, change lengths and page tables in place, replay."""
+@pytest.mark.parametrize("ctas", [1, 5])
+@pytest.mark.parametrize("variant", ["plan", "n64_stages4"])
+@pytest.mark.parametrize("name,kw,options", EXTEND_CASES, ids=[c[0] for c in EXTEND_CASES])
+def test_gpu_cute_extend_persistent_ctas_take_many_items(name, kw, options, variant, ctas, monkeypatch):
+    """The persistent extend kernel with 1 and 5 CTAs: every CTA takes many (query head, row tile) items in
+    turn, so its ring holds earlier items' tiles, its barriers run many phases and Q is issued ahead into rows
+    the previous item just read."""
+    _few_ctas(monkeypatch, ctas)
+    options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
+    t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000 + ctas)
+    out, lse, plan, _ = run_family(t, options, "cute", overrides=EXTEND_VARIANTS[variant])
+    torch.cuda.synchronize()
+    assert plan.family == "cute" and plan.mode == "extend"
+    check_close(out, lse, *_reference(t, options), what=f"{name} {plan} ctas={ctas}")
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("ctas", [0, 3])
+def test_gpu_cute_extend_cuda_graph_replay(ctas, monkeypatch):
+    """Packed extend: capture once; poison the outputs, change lengths and page tables in place, replay (with
+    the GPU's CTAs, and with 3 that take many items each)."""
+    _few_ctas(monkeypatch, ctas)
     kw = dict(batch=3, hq=16, hkv=4, d=128, page_size=16, packed=True, lens=[500, 260, 150], q_lens=[150, 0, 140],
               spare_pages=4)
     t = make_inputs(**kw, device="cuda", seed=8)

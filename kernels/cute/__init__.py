@@ -24,7 +24,7 @@ import inspect
 
 import torch
 
-from b12x_inductor.plan import FP8, MAX_VERIFY_LEN, Q_DTYPES_CUDA
+from b12x_inductor.plan import FP8, MAX_VERIFY_LEN, Q_DTYPES_CUDA, device_facts
 from b12x_inductor.validate import cache_dims
 
 from . import plan as _plan
@@ -255,17 +255,18 @@ def _check_aligned(name: str, t: torch.Tensor, elems: int) -> None:
 @functools.cache
 def _compiled_extend(key):
     """The compiled extend kernel (extend.py) for one key (d, g, hq, batch, s, page, packed, block_n, stages,
-    q dtype, causal, use_window, use_softcap)."""
+    q dtype, causal, use_window, use_softcap, sm_count: its persistent CTAs, one per SM)."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import make_ptr
 
     from .extend import ExtendKernel
 
-    d, g, hq, batch, s, page, packed, tile_n, stages, q_dtype, causal, use_window, use_softcap = key
+    d, g, hq, batch, s, page, packed, tile_n, stages, q_dtype, causal, use_window, use_softcap, sm_count = key
     qt = _cutlass_dtype(q_dtype)
     kernel = ExtendKernel(d=d, g=g, hq=hq, batch=batch, s=s, page=page, packed=packed, tile_n=tile_n,
-                          stages=stages, q_dtype=qt, causal=causal, use_window=use_window, use_softcap=use_softcap)
+                          stages=stages, q_dtype=qt, causal=causal, use_window=use_window, use_softcap=use_softcap,
+                          sm_count=sm_count)
     gmem = cute.AddressSpace.gmem
 
     def ptr(dt, align=4):
@@ -322,7 +323,8 @@ def _mla_key(shapes, plan: dict, options: dict) -> tuple:
 def _extend_key(shapes, plan: dict, options: dict) -> tuple:
     return (shapes["d"], shapes["hq"] // shapes["hkv"], shapes["hq"], shapes["batch"], shapes["q_len"],
             shapes["page_size"], shapes["packed"], plan["block_n"], plan["num_stages"], shapes["q_dtype"],
-            bool(options["causal"]), int(options["window_left"]) >= 0, float(options["softcap"]) > 0)
+            bool(options["causal"]), int(options["window_left"]) >= 0, float(options["softcap"]) > 0,
+            shapes["sm_count"])
 
 
 def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
@@ -336,7 +338,8 @@ def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
     packed = q.dim() == 3
     page, hkv = cache_dims(k_cache.shape, layout)
     shapes = dict(d=q.shape[-1], hq=q.shape[-2], hkv=hkv, batch=pt.shape[0],
-                  q_len=q.shape[0] if packed else q.shape[1], packed=packed, page_size=page, q_dtype=q.dtype)
+                  q_len=q.shape[0] if packed else q.shape[1], packed=packed, page_size=page, q_dtype=q.dtype,
+                  sm_count=device_facts(q.device)[0])
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):  # out: 16-byte stores
         _check_aligned(name, t, shapes["d"])
     compiled = _compiled_extend(_extend_key(shapes, plan, options))
@@ -546,7 +549,7 @@ def compile_kernel(problem, plan, options):
     options = options.as_kwargs()
     shapes = dict(d=problem.head_dim, q_len=problem.q_len, hq=problem.num_q_heads, hkv=problem.num_kv_heads,
                   page_size=problem.page_size, q_dtype=problem.q_dtype, kv_dtype=problem.kv_dtype,
-                  batch=problem.batch, packed=problem.packed)
+                  batch=problem.batch, packed=problem.packed, sm_count=problem.sm_count)
     if plan.mode == "extend":
         return _compiled_extend(_extend_key(shapes, plan.constants(), options))
     if plan.block_m == MLA_BLOCK_M:

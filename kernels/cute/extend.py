@@ -1,7 +1,11 @@
 """Extend (prefill, chunked prefill) in CuTe DSL on Hopper: warp-specialized, with wgmma.
 
-One CTA of three warpgroups takes BM = 128 consecutive new tokens of one request and one query head, grid
-(Hq, tiles) as the Triton extend kernel (same tile map, same three key ranges, same masks):
+A work item is BM = 128 consecutive new tokens of one request and one query head; items are ordered as the
+Triton extend kernel's grid (Hq, tiles) (same tile map, same three key ranges, same masks). The kernel is
+persistent: min(items, SMs) CTAs of three warpgroups (one CTA fits an SM), CTA c taking items c, c + CTAs, ...
+The K/V ring, its barrier phases and the consumers' GEMM turns run on across a CTA's items, so the producer
+loads the next item's first tiles while the consumers finish the last one, and each consumer warpgroup
+issues its next Q rows as soon as its last S = Q K^T is done (before its last P V and its epilogue):
 
 - warpgroup 0, the producer (56 registers after setmaxnreg), loads each BN-key tile into a STAGES-deep ring of
   shared-memory buffers, first K, then V, and never waits on its own loads, only on a stage's `empty`
@@ -30,8 +34,10 @@ One CTA of three warpgroups takes BM = 128 consecutive new tokens of one request
   the MUFU.EX2), serializing them with the product.
 - the consumers take turns issuing their GEMMs (named barriers 3 and 4, as FlashAttention-3's ping-pong):
   one warpgroup's softmax runs while the other's products occupy the tensor cores.
-- each consumer's output leaves through its own 64 rows of the Q tile (free after its last product), in
-  16-byte stores of whole row chunks (`_epilogue`; out's rows start on 16 bytes, which `_run_extend` checks).
+- each consumer's output leaves from registers (`_epilogue`): lanes trade one pair of columns per two column
+  groups so that each store writes 8 contiguous bytes, 8 rows x 32 bytes per warp instruction (out's rows
+  start on 16 bytes, which `_run_extend` checks). Staged through shared memory, it would hold the Q rows the
+  next item's Q is loaded into.
 
 Shared-memory tiles use the 128-byte swizzle wgmma reads: a tile of rows x D (Q, K or V; row = token or key)
 is stored as D / 64 slabs of rows x 128 bytes, 16-byte chunk c of row r at chunk position c ^ (r % 8). The
@@ -43,8 +49,9 @@ The accumulator fragment of an m64nN wgmma holds, per thread, elements ((2, 2, N
 rows r and r + 8, and N / 8 column groups of 8; converted to 16-bit, the S fragment of 16 keys is exactly
 the A register fragment of the P V product's k-step, so P never leaves registers.
 
-Packed q: the grid is fixed by the capacity (cdiv(T, BM) + B tiles); each CTA maps its tile to a request on
-the device from cu_seqlens_q, and the CTAs left over write zeros and lse = -inf into the padding rows.
+Packed q: the items are fixed by the capacity (cdiv(T, BM) + B tiles a head); each item's tile is mapped to a
+request on the device from cu_seqlens_q, and the items left over write zeros and lse = -inf into the padding
+rows.
 
 What limits it (benchmarks/results/h200.md, "CuTe DSL extend"): 493-551 TFLOP/s at page 16 with TMA. Before
 TMA (405-461), Nsight Compute had each consumer warpgroup spending about half its time in the softmax, most
@@ -78,7 +85,7 @@ class ExtendKernel:
     """The extend kernel for one set of compile-time constants (see `extend_geometry` in __init__.py)."""
 
     def __init__(self, *, d: int, g: int, hq: int, batch: int, s: int, page: int, packed: bool, tile_n: int,
-                 stages: int, q_dtype, causal: bool, use_window: bool, use_softcap: bool):
+                 stages: int, q_dtype, causal: bool, use_window: bool, use_softcap: bool, sm_count: int):
         self.d, self.g, self.hq, self.batch, self.s, self.page, self.packed = d, g, hq, batch, s, page, packed
         self.tile_n, self.stages, self.dtype = tile_n, stages, q_dtype
         self.causal, self.use_window, self.use_softcap = causal, use_window, use_softcap
@@ -86,6 +93,8 @@ class ExtendKernel:
         assert geo is not None, "the plan's tile does not fit this kernel (kernels/cute/__init__.py: extend_geometry)"
         self.__dict__.update(geo)  # with `storage`, the kernel's shared memory (kernels/cute/storage.py)
         self.tiles = (-(-s // BLOCK_M) + batch) if packed else batch * -(-s // BLOCK_M)
+        self.items = hq * self.tiles  # work items: (query head, row tile), item = hq + Hq x tile
+        self.ctas = min(self.items, sm_count) if sm_count > 0 else self.items  # persistent: one CTA per SM
         self.box = tma_box(page=page, tile_n=tile_n)
 
     @cute.jit
@@ -110,7 +119,7 @@ class ExtendKernel:
             lse_ptr, q_sb, q_ss, q_sh, k_sp, k_so, k_sh, v_sp, v_so, v_sh, pt_sb, kds_b, kds_h, vds_b, vds_h,
             has_kv_start, has_sinks, has_kds, has_vds, window_left, sm_scale, softcap, max_pages * self.page,
             k_pages, tma_k, m_k, tma_v, m_v,
-        ).launch(grid=(self.hq, self.tiles, 1), block=(THREADS, 1, 1), smem=self.smem_bytes, stream=stream,
+        ).launch(grid=(self.ctas, 1, 1), block=(THREADS, 1, 1), smem=self.smem_bytes, stream=stream,
                  min_blocks_per_mp=1)
 
     @cute.jit
@@ -151,6 +160,35 @@ class ExtendKernel:
         return b, mt, n_b, row0, pad_from
 
     @cute.jit
+    def _key_range(self, seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, has_kv_start: Int32, b: Int32,
+                   mt: Int32, n_b: Int32, window_left: Int32, cap: Int32):
+        """(length, start, lo, hi, full_lo, full_hi, n_tiles): the keys row tile mt of request b sees, read on
+        the device as the Triton extend kernel reads them: the request's live length and first visible key, the
+        tile's key range [lo, hi) (lo on a TMA box boundary where the keys that adds are the request's), the
+        range [full_lo, full_hi) every row of the tile sees whole, and the range's BN-key tile count."""
+        length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
+        c_min = length - n_b + mt * BLOCK_M
+        c_max = length - n_b + cutlass.min(mt * BLOCK_M + BLOCK_M, n_b) - 1
+        lo = start
+        full_lo = start
+        if const_expr(self.use_window):
+            lo = cutlass.max(lo, c_min - window_left)
+            full_lo = cutlass.max(full_lo, c_max - window_left)
+        if const_expr(self.box != 0):
+            # tiles start on a box boundary (a whole number of TMA boxes) where the keys below lo are still
+            # visible keys of the request (finite; the masks drop them)
+            lo_box = lo - lo % self.box
+            if lo_box >= start:
+                lo = lo_box
+        hi = length
+        full_hi = length
+        if const_expr(self.causal):
+            hi = cutlass.min(hi, c_max + 1)
+            full_hi = cutlass.min(full_hi, c_min + 1)
+        n_tiles = (cutlass.max(hi - lo, Int32(0)) + self.tile_n - 1) // self.tile_n
+        return length, start, lo, hi, full_lo, full_hi, n_tiles
+
+    @cute.jit
     def _chunk(self, base: cute.Tensor, row: Int32, ch: Int32):
         """The 16-byte chunk `ch` of row `row` of a swizzled rows x D tile (see the module docstring)."""
         return base[ch // 8, row // 8, row % 8, (ch % 8) ^ (row % 8), None]
@@ -169,14 +207,13 @@ class ExtendKernel:
     ):
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)  # kernels/cute/storage.py: extend_storage
         tidx, _, _ = cute.arch.thread_idx()
-        hq, t, _ = cute.arch.block_idx()
+        cta, _, _ = cute.arch.block_idx()
         wg = tidx // 128
         BN = const_expr(self.tile_n)
         D = const_expr(self.d)
         NS = const_expr(self.stages)
         SLABS = const_expr(max(D // 64, 1))
         dt = self.dtype
-        h = hq // self.g
 
         # ---- shared memory: Q, the K and V rings (swizzled, 1024-aligned), the stage mbarriers ----
         mbar = storage.mbar.data_ptr()  # K full, V full, empty: full_barrier, empty_barrier
@@ -210,160 +247,177 @@ class ExtendKernel:
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
 
-        b, mt, n_b, row0, pad_from = self._tile_map(cu_ptr, t)
         lse_rows = cute.make_tensor(lse_ptr, cute.make_layout((1 << 30,)))
-        if pad_from >= 0:
-            # padding rows past cu_seqlens_q[-1] (packed q only): zeros and lse = -inf
-            for i in cutlass.range_constexpr((BLOCK_M * D + THREADS - 1) // THREADS):
-                e = tidx + i * THREADS
-                r = pad_from + e // D
-                if (e < BLOCK_M * D) & (r < self.s):
-                    orow = cute.make_tensor(out_ptr + (Int64(r) * self.hq + Int64(hq)) * D, cute.make_layout((D,)))
-                    orow[e % D] = dt(0.0)
-                    if e % D == 0:
-                        lse_rows[Int64(r) * self.hq + Int64(hq)] = Float32(-math.inf)
-        else:
-            # ---- the visible key range, on the device (as the Triton extend kernel) ----
-            length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
-            c_min = length - n_b + mt * BLOCK_M
-            c_max = length - n_b + cutlass.min(mt * BLOCK_M + BLOCK_M, n_b) - 1
-            lo = start
-            full_lo = start
-            if const_expr(self.use_window):
-                lo = cutlass.max(lo, c_min - window_left)
-                full_lo = cutlass.max(full_lo, c_max - window_left)
+        # Persistent: CTA `cta` takes the work items cta, cta + ctas, ... (item = hq + Hq x tile, the order of
+        # the grid it replaces). The ring runs on across items: `done` counts the tiles this CTA's producer
+        # loaded (and its consumers used) for earlier items, so tile `it` of an item is ring tile done + it, in
+        # stage (done + it) % NS. The producer and the consumers walk the same items and compute the same key
+        # ranges, so their tile counts agree; the producer runs ahead into the next item while the consumers
+        # finish the last one (epilogue, next Q).
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if const_expr(self.box != 0):
-                # tiles start on a box boundary (a whole number of TMA boxes) where the keys below lo are
-                # still visible keys of the request (finite; the masks drop them)
-                lo_box = lo - lo % self.box
-                if lo_box >= start:
-                    lo = lo_box
-            hi = length
-            full_hi = length
-            if const_expr(self.causal):
-                hi = cutlass.min(hi, c_max + 1)
-                full_hi = cutlass.min(full_hi, c_min + 1)
-            n_tiles = (cutlass.max(hi - lo, Int32(0)) + BN - 1) // BN
-
-            if wg == 0:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-                self._produce(tidx, b, h, lo, hi, length, n_tiles, k_ptr, v_ptr, pt_ptr, k_sp, k_so, k_sh, v_sp,
-                              v_so, v_sh, pt_sb, num_pages, wK, wV, mbar, ring, tma_k, m_k, tma_v, m_v)
-            else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGS)
-                ctid = tidx - 128
-                wgc = wg - 1
-                self._load_q(q_ptr, b, hq, row0, mt, n_b, q_sb, q_ss, q_sh, ctid, wgc, wQ)
-
-                k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h, sm_scale,
-                                          b, h)
-
-                thr_qk = mma_qk.get_slice(ctid)
-                thr_pv = mma_pv.get_slice(ctid)
-                tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-                tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
-                tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
-                acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((BLOCK_M, BN)))
-                acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, D)))
-                t_cs = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, BN)))
-                t_co = thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, D)))
-                acc_o.fill(0.0)
-                m_run = cute.make_rmem_tensor((2,), Float32)
-                l_run = cute.make_rmem_tensor((2,), Float32)
-                for i in cutlass.range_constexpr(2):
-                    m_run[i] = Float32(NEG_BIG)
-                    l_run[i] = Float32(0.0)
-                r_p = cute.make_rmem_tensor(acc_s.layout, dt)
-                t_orp = cute.make_tensor(r_p.iterator, cute.make_layout(((2, 2, 2), 1, BN // 16),
-                                                                      stride=((1, 2, 4), 0, 8)))
-                # causal limits of this thread's two rows (fragment rows r and r + 8)
-                limit = cute.make_rmem_tensor((2,), Int32)
-                for i in cutlass.range_constexpr(2):
-                    limit[i] = length - n_b + mt * BLOCK_M + t_cs[2 * i][0]
-
-                alpha = cute.make_rmem_tensor((2,), Float32)
-                if wgc == 1:
-                    self._pass_turn(1)  # consumer warpgroup 0 issues first
-                if n_tiles > 0:
-                    # tile 0: scores and softmax; its P V is issued with the next tile's scores
-                    cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, 0), stage_phase(0, NS))
-                    cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
-                    self._take_turn(wgc)
-                    warpgroup.fence()
-                    self._scores(acc_s, tSrQ, tSrK, 0)
-                    self._pass_turn(wgc)
-                    warpgroup.wait_group(0)
-                    online_softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo, hi, start, full_lo, full_hi,
-                                   k_scale, softcap, window_left, **self._masks())
-                for it in cutlass.range(1, n_tiles, unroll=1):
-                    # P V of tile it - 2 is done (its wait sits here, a loop iteration away from the softmax, so
-                    # the compiler cannot move it ahead of the exponentials): O to tile it - 1's max, P of tile
-                    # it - 1 into registers, tile it - 2's stage released
-                    warpgroup.wait_group(0)
-                    self._rescale_and_convert(acc_o, alpha, r_p, acc_s)
-                    if it >= 2:
-                        cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (it - 2) % NS))
-                    # in flight together: S = Q K^T of tile it and O += P V of tile it - 1; the softmax of tile it
-                    # runs on the CUDA cores while P V (and the other consumer warpgroup's GEMMs) run
-                    stage = it % NS
-                    prev = (it - 1) % NS
-                    cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), stage_phase(it, NS))
-                    cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, prev), stage_phase(it - 1, NS))
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    self._take_turn(wgc)
-                    warpgroup.fence()
-                    self._scores(acc_s, tSrQ, tSrK, stage)
-                    self._pv(acc_o, t_orp, tOrV, prev)
-                    self._pass_turn(wgc)
-                    warpgroup.wait_group(1)
-                    online_softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo + it * BN, hi, start, full_lo,
-                                   full_hi, k_scale, softcap, window_left, **self._masks())
-                if n_tiles > 0:
-                    last = (n_tiles - 1) % NS
-                    warpgroup.wait_group(0)
-                    self._rescale_and_convert(acc_o, alpha, r_p, acc_s)
-                    if n_tiles >= 2:
-                        cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (n_tiles - 2) % NS))
-                    cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, last), stage_phase(n_tiles - 1, NS))
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    warpgroup.fence()
-                    self._pv(acc_o, t_orp, tOrV, last)
-                    warpgroup.wait_group(0)
-                    cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, last))
-                if wgc == 0:
-                    self._take_turn(0)  # the other warpgroup's last pass: every turn barrier ends complete
-
-                self._epilogue(acc_o, t_co, m_run, l_run, v_scale, sinks_ptr, has_sinks, hq, mt, n_b, row0, out_ptr,
-                               lse_rows, q_tile, wQ, ctid, wgc)
+                if tidx == 0:
+                    cpasync.prefetch_descriptor(tma_k)
+                    cpasync.prefetch_descriptor(tma_v)
+            done = Int32(0)
+            for item in cutlass.range(cta, self.items, self.ctas, unroll=1):
+                hq = item % self.hq
+                b, mt, n_b, row0, pad_from = self._tile_map(cu_ptr, item // self.hq)
+                if pad_from < 0:
+                    length, start, lo, hi, full_lo, full_hi, n_tiles = self._key_range(
+                        seqlens_ptr, kv_start_ptr, has_kv_start, b, mt, n_b, window_left, cap)
+                    self._produce(tidx, b, hq // self.g, lo, hi, length, n_tiles, done, k_ptr, v_ptr, pt_ptr, k_sp,
+                                  k_so, k_sh, v_sp, v_so, v_sh, pt_sb, num_pages, wK, wV, mbar, ring, tma_k, m_k,
+                                  tma_v, m_v)
+                    done = done + n_tiles
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            ctid = tidx - 128
+            wgc = wg - 1
+            thr_qk = mma_qk.get_slice(ctid)
+            thr_pv = mma_pv.get_slice(ctid)
+            tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+            tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+            tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+            acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((BLOCK_M, BN)))
+            acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, D)))
+            t_cs = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, BN)))
+            t_co = thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, D)))
+            m_run = cute.make_rmem_tensor((2,), Float32)
+            l_run = cute.make_rmem_tensor((2,), Float32)
+            r_p = cute.make_rmem_tensor(acc_s.layout, dt)
+            t_orp = cute.make_tensor(r_p.iterator, cute.make_layout(((2, 2, 2), 1, BN // 16),
+                                                                  stride=((1, 2, 4), 0, 8)))
+            limit = cute.make_rmem_tensor((2,), Int32)
+            alpha = cute.make_rmem_tensor((2,), Float32)
+            # the GEMM turns run on across items too: consumer warpgroup 0 issues first, and takes the last
+            # pass after the last item (every turn barrier ends complete)
+            if wgc == 1:
+                self._pass_turn(1)
+            done = Int32(0)
+            q_pending = self._issue_q(q_ptr, cu_ptr, cta, q_sb, q_ss, q_sh, ctid, wgc, wQ)  # the first item's Q
+            for item in cutlass.range(cta, self.items, self.ctas, unroll=1):
+                hq = item % self.hq
+                h = hq // self.g
+                b, mt, n_b, row0, pad_from = self._tile_map(cu_ptr, item // self.hq)
+                if pad_from >= 0:
+                    self._empty_rows(out_ptr, lse_rows, hq, Int64(pad_from),
+                                     cutlass.min(Int32(BLOCK_M), Int32(self.s) - pad_from), ctid, 256)
+                else:
+                    length, start, lo, hi, full_lo, full_hi, n_tiles = self._key_range(
+                        seqlens_ptr, kv_start_ptr, has_kv_start, b, mt, n_b, window_left, cap)
+                    if q_pending == 0:  # (issued ahead by the previous item but after a padding item)
+                        q_pending = self._issue_q(q_ptr, cu_ptr, item, q_sb, q_ss, q_sh, ctid, wgc, wQ)
+                    self._wait_q(wgc)
+                    k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h,
+                                              sm_scale, b, h)
+                    acc_o.fill(0.0)
+                    for i in cutlass.range_constexpr(2):
+                        m_run[i] = Float32(NEG_BIG)
+                        l_run[i] = Float32(0.0)
+                        # causal limits of this thread's two rows (fragment rows r and r + 8)
+                        limit[i] = length - n_b + mt * BLOCK_M + t_cs[2 * i][0]
+                    if n_tiles > 0:
+                        # tile 0: scores and softmax; its P V is issued with the next tile's scores
+                        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, done % NS), stage_phase(done, NS))
+                        cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
+                        self._take_turn(wgc)
+                        warpgroup.fence()
+                        self._scores(acc_s, tSrQ, tSrK, done % NS)
+                        self._pass_turn(wgc)
+                        warpgroup.wait_group(0)
+                        online_softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo, hi, start, full_lo, full_hi,
+                                       k_scale, softcap, window_left, **self._masks())
+                    for it in cutlass.range(1, n_tiles, unroll=1):
+                        # P V of tile it - 2 is done (its wait sits here, a loop iteration away from the softmax,
+                        # so the compiler cannot move it ahead of the exponentials): O to tile it - 1's max, P of
+                        # tile it - 1 into registers, tile it - 2's stage released
+                        warpgroup.wait_group(0)
+                        self._rescale_and_convert(acc_o, alpha, r_p, acc_s)
+                        if it >= 2:
+                            cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (done + it - 2) % NS))
+                        # in flight together: S = Q K^T of tile it and O += P V of tile it - 1; the softmax of
+                        # tile it runs on the CUDA cores while P V (and the other consumer warpgroup's GEMMs) run
+                        g = done + it
+                        stage = g % NS
+                        prev = (g - 1) % NS
+                        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), stage_phase(g, NS))
+                        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, prev), stage_phase(g - 1, NS))
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        self._take_turn(wgc)
+                        warpgroup.fence()
+                        self._scores(acc_s, tSrQ, tSrK, stage)
+                        self._pv(acc_o, t_orp, tOrV, prev)
+                        self._pass_turn(wgc)
+                        warpgroup.wait_group(1)
+                        online_softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo + it * BN, hi, start, full_lo,
+                                       full_hi, k_scale, softcap, window_left, **self._masks())
+                    g_last = done + n_tiles - 1
+                    last = g_last % NS
+                    if n_tiles > 0:
+                        warpgroup.wait_group(0)
+                        self._rescale_and_convert(acc_o, alpha, r_p, acc_s)
+                        if n_tiles >= 2:
+                            cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (g_last - 1) % NS))
+                    # no product reads this warpgroup's Q rows any more (its last S = Q K^T is done): the next
+                    # item's Q goes in while the last P V and the epilogue run
+                    cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
+                    q_pending = self._issue_q(q_ptr, cu_ptr, item + self.ctas, q_sb, q_ss, q_sh, ctid, wgc, wQ)
+                    if n_tiles > 0:
+                        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, last), stage_phase(g_last, NS))
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        warpgroup.fence()
+                        self._pv(acc_o, t_orp, tOrV, last)
+                        warpgroup.wait_group(0)
+                        cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, last))
+                    self._epilogue(acc_o, t_co, m_run, l_run, v_scale, sinks_ptr, has_sinks, hq, mt, n_b, row0,
+                                   out_ptr, lse_rows, tidx % 32)
+                    done = done + n_tiles
+            if wgc == 0:
+                self._take_turn(0)  # the other warpgroup's last pass
 
     @cute.jit
-    def _load_q(self, q_ptr: cute.Pointer, b: Int32, hq: Int32, row0: Int64, mt: Int32, n_b: Int32, q_sb: Int64,
-                q_ss: Int64, q_sh: Int64, ctid: Int32, wgc: Int32, wQ: cute.Tensor):
-        """This consumer warpgroup's 64 Q rows of the tile -> shared memory by cp.async (zeros past the
-        request's rows), then a barrier of the warpgroup: Q is in place for its wgmma."""
+    def _issue_q(self, q_ptr: cute.Pointer, cu_ptr: cute.Pointer, item: Int32, q_sb: Int64, q_ss: Int64,
+                 q_sh: Int64, ctid: Int32, wgc: Int32, wQ: cute.Tensor):
+        """Issues the cp.async copies of this consumer warpgroup's 64 Q rows of work item `item` into its rows of
+        the Q tile (zeros past the request's rows) and returns 1, or returns 0 for an item past the last or a
+        padding item (which reads no Q). `_wait_q` waits for them."""
         CH = const_expr(self.chunks)
         dt = self.dtype
-        q_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
-                                     num_bits_per_copy=128)
-        q_row0 = Int64(0)
-        if const_expr(self.packed):
-            q_row0 = row0
-        q_base = q_ptr.toint() + (Int64(b) * q_sb + q_row0 * q_ss + Int64(hq) * q_sh) * 2
-        for i in cutlass.range_constexpr(64 * CH // 128):
-            ci = (ctid % 128) + i * 128
-            row = wgc * 64 + ci // CH
-            ch = ci % CH
-            dst = self._chunk(wQ[0, None, None, None, None, None], row, ch)
-            r = mt * BLOCK_M + row
-            if r < n_b:
-                src = cute.make_tensor(cute.make_ptr(dt, q_base + (Int64(r) * q_ss + ch * 8) * 2,
-                                                     cute.AddressSpace.gmem, assumed_align=16),
-                                       cute.make_layout((8,)))
-                cute.copy(q_atom, src, dst)
-            else:
-                for e in cutlass.range_constexpr(8):
-                    dst[e] = dt(0.0)
-        cute.arch.cp_async_commit_group()
+        issued = Int32(0)
+        if item < self.items:
+            hq = item % self.hq
+            b, mt, n_b, row0, pad_from = self._tile_map(cu_ptr, item // self.hq)
+            if pad_from < 0:
+                q_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
+                                             num_bits_per_copy=128)
+                q_row0 = Int64(0)
+                if const_expr(self.packed):
+                    q_row0 = row0
+                q_base = q_ptr.toint() + (Int64(b) * q_sb + q_row0 * q_ss + Int64(hq) * q_sh) * 2
+                for i in cutlass.range_constexpr(64 * CH // 128):
+                    ci = (ctid % 128) + i * 128
+                    row = wgc * 64 + ci // CH
+                    ch = ci % CH
+                    dst = self._chunk(wQ[0, None, None, None, None, None], row, ch)
+                    r = mt * BLOCK_M + row
+                    if r < n_b:
+                        src = cute.make_tensor(cute.make_ptr(dt, q_base + (Int64(r) * q_ss + ch * 8) * 2,
+                                                             cute.AddressSpace.gmem, assumed_align=16),
+                                               cute.make_layout((8,)))
+                        cute.copy(q_atom, src, dst)
+                    else:
+                        for e in cutlass.range_constexpr(8):
+                            dst[e] = dt(0.0)
+                cute.arch.cp_async_commit_group()
+                issued = Int32(1)
+        return issued
+
+    @staticmethod
+    def _wait_q(wgc):
+        """This warpgroup's Q rows have landed (its cp.async copies, then a barrier of the warpgroup) and are
+        visible to its wgmma (fence.proxy.async)."""
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
@@ -371,29 +425,25 @@ class ExtendKernel:
     @cute.jit
     def _epilogue(self, acc_o: cute.Tensor, t_co: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor,
                   v_scale: Float32, sinks_ptr: cute.Pointer, has_sinks: Int32, hq: Int32, mt: Int32, n_b: Int32,
-                  row0: Int64, out_ptr: cute.Pointer, lse_rows: cute.Tensor, q_tile: cute.Pointer, wQ: cute.Tensor,
-                  ctid: Int32, wgc: Int32):
+                  row0: Int64, out_ptr: cute.Pointer, lse_rows: cute.Tensor, lane: Int32):
         """The sink folded into each row's denominator, the normalized output rows and their natural-log lse
-        (zeros and -inf for a row that saw no key), for this consumer warpgroup's 64 rows.
+        (zeros and -inf for a row that saw no key), for this consumer warpgroup's 64 rows, straight from the
+        registers: no shared memory, so the Q rows are free for the next item's Q once the last S = Q K^T is
+        done.
 
-        O leaves through this warpgroup's own 64 rows of the Q tile, free once its last S = Q K^T is done (its
-        products have all completed: the wait after the last P V): each thread writes its scaled pairs into
-        the tile's swizzled chunks (conflict-free), then the warpgroup copies whole 16-byte chunks out, each
-        warp 512 bytes of whole rows per instruction (two rows at D 128, four at D 64; the fragment's own stores
-        would touch 8 rows of 4 bytes each per instruction). out's rows start on 16 bytes (`_run_extend`
-        checks)."""
+        A thread holds, per row, 32-bit pairs of columns 8 j + 2 q (q = lane % 4) for every group j of 8
+        columns. Lanes q and q ^ 1 trade one pair per two groups (one shuffle): the even lane then holds 4
+        adjacent columns of group 2 i, the odd lane 4 of group 2 i + 1, and each stores them as one 8-byte
+        write, so every warp store instruction fills 8 rows x 32 contiguous bytes (whole sectors)."""
         D = const_expr(self.d)
-        CH = const_expr(self.chunks)
         dt = self.dtype
-        NO_ELEMS = const_expr(cute.size(acc_o))
-        SLABS = const_expr(max(D // 64, 1))
-        # the Q tile as 32-bit words: (slab, row // 8, row % 8, chunk position, word), as chunks_view
-        s_w = cute.make_tensor(cute.recast_ptr(q_tile, dtype=Uint32), cute.make_layout(
-            (SLABS, BLOCK_M // 8, 8, 8, 4), stride=(BLOCK_M * 32, 256, 32, 4, 1)))
+        NG = const_expr(D // 8)
+        odd = lane % 2
         sink = Float32(NEG_BIG)
         if has_sinks != 0:
             sinks = cute.make_tensor(sinks_ptr, cute.make_layout((1 << 30,)))
             sink = Float32(sinks[hq]) * Float32(LOG2E)
+        pair = cute.make_rmem_tensor((2,), Uint32)
         for rh in cutlass.range_constexpr(2):
             l_r = l_run[rh]
             l_r = l_r + cute.arch.shuffle_sync_bfly(l_r, offset=1)
@@ -408,32 +458,51 @@ class ExtendKernel:
             if seen:
                 f = cute.arch.exp2(m_r - m_f) * v_scale / l_f
             row = t_co[2 * rh][0]
-            for e in cutlass.range_constexpr(0, NO_ELEMS, 2):  # e, e + 1: adjacent columns of one row
-                if const_expr((e // 2) % 2 == rh):
-                    col = t_co[e][1]
-                    ch = col // 8
-                    s_w[ch // 8, row // 8, row % 8, (ch % 8) ^ (row % 8), (col % 8) // 2] = pack2(
-                        acc_o[e] * f, acc_o[e + 1] * f, bf16=dt == cutlass.BFloat16)
             r = mt * BLOCK_M + row
+            out_row = out_ptr.toint() + ((row0 + Int64(r)) * self.hq + Int64(hq)) * D * 2
+            for i in cutlass.range_constexpr(NG // 2):
+                e0 = const_expr(8 * i + 2 * rh)  # the pair of group 2 i in this row half (element e0, e0 + 1)
+                e1 = const_expr(e0 + 4)  # the pair of group 2 i + 1
+                w0 = pack2(acc_o[e0] * f, acc_o[e0 + 1] * f, bf16=dt == cutlass.BFloat16)
+                w1 = pack2(acc_o[e1] * f, acc_o[e1 + 1] * f, bf16=dt == cutlass.BFloat16)
+                send = w1
+                if odd != 0:
+                    send = w0
+                # every lane shuffles (shfl.sync over the whole warp), only the rows of the request store
+                got = Uint32(cute.arch.shuffle_sync_bfly(send, offset=1))
+                pair[0] = w0
+                pair[1] = got
+                col = t_co[e0][1]
+                if odd != 0:
+                    pair[0] = got
+                    pair[1] = w1
+                    col = col + 6  # group 2 i + 1 from column 2 (q - 1)
+                if r < n_b:
+                    dst = cute.make_tensor(cute.make_ptr(Uint32, out_row + col * 2, cute.AddressSpace.gmem,
+                                                         assumed_align=8), cute.make_layout((2,)))
+                    cute.autovec_copy(pair, dst)
             if r < n_b:
                 if t_co[2 * rh][1] == 0:
                     lse = Float32(-math.inf)
                     if seen:
                         lse = (m_f + cute.math.log2(l_f)) * Float32(LN2)
                     lse_rows[(row0 + Int64(r)) * self.hq + Int64(hq)] = lse
-        cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
-        chunk = cute.make_rmem_tensor((8,), dt)
-        for i in cutlass.range_constexpr(64 * CH // 128):
-            ci = (ctid % 128) + i * 128
-            row = wgc * 64 + ci // CH
-            ch = ci % CH
-            r = mt * BLOCK_M + row
-            if r < n_b:
-                cute.autovec_copy(self._chunk(wQ[0, None, None, None, None, None], row, ch), chunk)
-                addr = out_ptr.toint() + (((row0 + Int64(r)) * self.hq + Int64(hq)) * D + ch * 8) * 2
-                dst = cute.make_tensor(cute.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=16),
-                                       cute.make_layout((8,)))
-                cute.autovec_copy(chunk, dst)
+
+    @cute.jit
+    def _empty_rows(self, out_ptr: cute.Pointer, lse_rows: cute.Tensor, hq: Int32, first: Int64, count: Int32,
+                    tid: Int32, threads: cutlass.Constexpr):
+        """Zeros and lse = -inf into `count` rows of out from row `first` (rows of the packed or flattened
+        [tokens, Hq, D] view), written by `threads` threads (tid: this one's index among them): a tile whose
+        rows see no key, or padding rows past cu_seqlens_q[-1]."""
+        D = const_expr(self.d)
+        for i in cutlass.range((BLOCK_M * D + threads - 1) // threads, unroll=1):
+            e = tid + i * threads
+            if e < count * D:
+                r = first + Int64(e // D)
+                orow = cute.make_tensor(out_ptr + (r * self.hq + Int64(hq)) * D, cute.make_layout((D,)))
+                orow[e % D] = self.dtype(0.0)
+                if e % D == 0:
+                    lse_rows[r * self.hq + Int64(hq)] = Float32(-math.inf)
 
     def _mma_qk(self):
         """S = Q K^T: two warpgroups of 64 rows, Q and K from shared memory (both K-major)."""
@@ -490,12 +559,13 @@ class ExtendKernel:
 
     @cute.jit
     def _produce(self, tidx: Int32, b: Int32, h: Int32, lo: Int32, hi: Int32, length: Int32, n_tiles: Int32,
-                 k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer, k_sp: Int64, k_so: Int64,
+                 done: Int32, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer, k_sp: Int64, k_so: Int64,
                  k_sh: Int64, v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64, num_pages: Int32, wK: cute.Tensor,
                  wV: cute.Tensor, mbar: cute.Pointer, ring: cute.Pointer, tma_k, m_k, tma_v, m_v):
         """The producer warpgroup: each tile's K rows, then its V rows, into the ring; the stage's K-full and
         V-full mbarriers (128 arrivals each) complete when the copies land, so the producer never waits for
-        its own loads, only for a stage to be released.
+        its own loads, only for a stage to be released. Tile `it` of this item is ring tile done + it (`done`:
+        the tiles loaded for the CTA's earlier items).
 
         A tile of keys the request has (all below its length, so finite even past the causal or window
         limit) starting on a box boundary goes by TMA where the page geometry allows (`tma_box`, `_tma_tile`);
@@ -503,14 +573,11 @@ class ExtendKernel:
         BN = const_expr(self.tile_n)
         NS = const_expr(self.stages)
         BOX = const_expr(self.box)
-        if const_expr(BOX != 0):
-            if tidx == 0:
-                cpasync.prefetch_descriptor(tma_k)
-                cpasync.prefetch_descriptor(tma_v)
         for it in cutlass.range(n_tiles, unroll=1):
-            stage = it % NS
-            if it >= NS:
-                cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), release_phase(it, NS))
+            g = done + it
+            stage = g % NS
+            if g >= NS:
+                cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), release_phase(g, NS))
             j0 = lo + it * BN
             if const_expr(BOX != 0):
                 if (j0 % BOX == 0) & (j0 + BN <= length):

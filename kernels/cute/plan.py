@@ -5,11 +5,11 @@ tiles of `block_n` keys; the split count is the Triton family's rule with the co
 measured with (CUTE_SPLITS). block_m 1 selects the CUDA-core kernel (decode.py), 16 (MMA_M) the tensor-core
 one (decode_mma.py), which takes float8 decode once a split spans at least MMA_MIN_SPLIT_KEYS of the keys a
 query can see (Problem.kv_span). Extend: 128 query rows (two consumer warpgroups) and a producer warpgroup,
-128-key tiles, as many stages as shared memory holds (extend_geometry). Absorbed MLA decode/verify (block_m 64):
-64 query rows per CTA, splits for about one CTA per SM (MLA_SPLITS); the seesaw kernel (mla_seesaw.py, two
-64-key tiles, num_warps 8) for 128 query rows or more per request with long splits (mla_plan), else mla.py
-(4 stages of 32 keys). The choices and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL
-kernels", "Session 27" and "Session 29".
+128-key tiles, as many stages as shared memory holds (extend_geometry), persistent CTAs (one per SM). Absorbed
+MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per SM (MLA_SPLITS); the seesaw
+kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query rows or more per request with long splits
+(mla_plan), else mla.py (4 stages of 32 keys). The choices and the measurements behind them:
+benchmarks/results/h200.md, "CuTe DSL kernels", "Session 27", "Session 29" and "Session 33".
 """
 
 from __future__ import annotations
