@@ -45,6 +45,7 @@ def _cases():
         grid.append((dict(q_len=4, page_size=page, kv_dtype=F8 if fp8 else torch.float16, q_dtype=torch.float16), {}))
     for d, page, packed in itertools.product((64, 128), (1, 16, 64), (False, True)):
         grid.append((dict(q_len=512 if packed else 300, packed=packed, head_dim=d, page_size=page), {}))
+    grid.append((dict(q_len=300, head_dim=256, page_size=16), {}))  # extend at D 256: 64-key tiles, 2 stages
     mla = dict(num_q_heads=128, num_kv_heads=1, head_dim=576, v_head_dim=512, v_in_k=True)
     seesaw = dict(block_n=64, num_stages=2, num_warps=8)  # mla_seesaw.py where the plan is mla.py
     for q_len, heads, page, tiles in ((1, 128, 64, {}), (1, 16, 1, {}), (4, 16, 16, seesaw),

@@ -39,10 +39,11 @@ def test_cute_supports_table():
     assert cute.supports(_problem(kv_dtype=F8, head_dim=64, kv_layout="HND", page_size=1))
     assert cute.supports(_problem(q_len=4))  # verify, 16 rows
     assert not cute.supports(_problem(q_len=8))  # 32 rows per KV head
-    assert cute.supports(_problem(q_len=64))  # extend: 4D and packed q, D 64/128, the cache in q's dtype
+    assert cute.supports(_problem(q_len=64))  # extend: 4D and packed q, D 64/128/256, the cache in q's dtype
     assert cute.supports(_problem(q_len=64, packed=True, head_dim=64, kv_layout="HND", page_size=3))
     assert not cute.supports(_problem(q_len=64, kv_dtype=F8))
-    assert not cute.supports(_problem(q_len=64, head_dim=256))
+    assert cute.supports(_problem(q_len=64, head_dim=256))
+    assert not cute.supports(_problem(q_len=64, head_dim=192))
     assert not cute.supports(_problem(head_dim=96))
     assert not cute.supports(_problem(capability=(8, 0)))
     assert not cute.supports(_problem(device_type="cpu"))
@@ -72,7 +73,8 @@ def test_cute_extend_plans_fit_shared_memory():
             geo = extend_geometry(d=d, tile_n=plan.block_n, stages=plan.num_stages)
             assert geo is not None and geo["smem_bytes"] <= SMEM_LIMIT, (d, plan)
     assert extend_geometry(d=128, tile_n=128, stages=4) is None  # 32 KB Q + 4 x 64 KB K/V > 227 KB
-    assert extend_geometry(d=256, tile_n=64, stages=2) is None  # D = 256 is not expressed
+    assert extend_geometry(d=256, tile_n=64, stages=3) is None  # 64 KB Q + 3 x 64 KB K/V > 227 KB
+    assert extend_geometry(d=256, tile_n=128, stages=2) is None
 
 
 def test_cute_tma_box_follows_the_page_geometry():
@@ -130,7 +132,7 @@ def _cute_case(kw):
 
 
 def _cute_extend_case(kw):
-    """Whether a Triton extend GPU case is one the CuTe family expresses (D 64/128, the cache in q's dtype, no
+    """Whether a Triton extend GPU case is one the CuTe family expresses (D 64/128/256, the cache in q's dtype, no
     key mask)."""
     from b12x_inductor.kernels.cute import EXTEND_HEAD_DIMS
 
@@ -174,8 +176,25 @@ EXTEND_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CAS
     ("extend_packed_features", dict(batch=2, hq=16, hkv=2, d=128, page_size=16, packed=True, lens=[700, 260],
                                     q_lens=[390, 200], kv_start=True, sinks=True, nan_unused=True),
      dict(window_left=150, softcap=30.0, scale=0.07)),
+    # D 256 (Gemma's): 64-key tiles in 2 stages, a cached prefix with G = 2; every feature with pages of 64 keys
+    ("extend_d256_g2_prefix", dict(batch=2, q_len=300, hq=8, hkv=4, d=256, page_size=16, lens=[300, 700],
+                                   nan_unused=True), {}),
+    ("extend_packed_d256_features", dict(batch=2, hq=4, hkv=2, d=256, page_size=64, packed=True, lens=[700, 260],
+                                         q_lens=[300, 200], kv_start=True, sinks=True, nan_unused=True),
+     dict(window_left=150, softcap=30.0, scale=0.05)),
 ]
 EXTEND_VARIANTS = {"plan": {}, "stages2": dict(num_stages=2), "n64_stages4": dict(block_n=64, num_stages=4)}
+
+
+def _skip_unfit_extend_variant(kw, variant):
+    """Skips a variant whose tiles the head dim's shared memory cannot hold (D 256 takes 64 keys in 2 stages)."""
+    from b12x_inductor.kernels.cute import extend_geometry
+    from b12x_inductor.kernels.cute.plan import EXTEND_TILES
+
+    block_n, stages = EXTEND_TILES[kw["d"]]
+    tiles = EXTEND_VARIANTS[variant]
+    if extend_geometry(d=kw["d"], tile_n=tiles.get("block_n", block_n), stages=tiles.get("num_stages", stages)) is None:
+        pytest.skip(f"{variant} does not fit shared memory at D {kw['d']}")
 
 
 def _reference(t, options):
@@ -358,6 +377,7 @@ def test_cute_geometry_fits_every_supported_problem():
 @pytest.mark.parametrize("variant", list(EXTEND_VARIANTS))
 @pytest.mark.parametrize("name,kw,options", EXTEND_CASES, ids=[c[0] for c in EXTEND_CASES])
 def test_gpu_cute_extend_matches_reference(name, kw, options, variant):
+    _skip_unfit_extend_variant(kw, variant)
     options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
     t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000)
     out, lse, plan, _ = run_family(t, options, "cute", overrides=EXTEND_VARIANTS[variant])
@@ -386,6 +406,7 @@ def test_gpu_cute_extend_persistent_ctas_take_many_items(name, kw, options, vari
     """The persistent extend kernel with 1 and 5 CTAs: every CTA takes many (query head, row tile) items in
     turn, so its ring holds earlier items' tiles, its barriers run many phases and Q is issued ahead into rows
     the previous item just read."""
+    _skip_unfit_extend_variant(kw, variant)
     _few_ctas(monkeypatch, ctas)
     options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
     t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000 + ctas)

@@ -216,7 +216,7 @@ bf16 decode 32x4096          decode  triton splits=2   m=16  n=64  warps=4 stage
 bf16 extend 1x16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
 bf16 packed T=16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
 bf16 extend D=64 8192:1024   extend  cute   splits=1   m=128 n=128 warps=12 stages=4 scratch=0
-bf16 extend D=256            extend  triton splits=1   m=128 n=64  warps=8 stages=2 scratch=0
+bf16 extend D=256            extend  cute   splits=1   m=128 n=64  warps=12 stages=2 scratch=0
 fp8 extend 1x16384           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 mla H128 decode 32x4096      decode  cute   splits=2   m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k
 mla H128 decode 64x4096      decode  cute   splits=1   m=64  n=64  warps=8 stages=2 scratch=0 v_from_k

@@ -30,7 +30,7 @@ from b12x_inductor.validate import cache_dims
 from . import plan as _plan
 
 DECODE_HEAD_DIMS = (64, 128, 256)  # decode/verify (decode.py, decode_mma.py): a subset of plan.HEAD_DIMS
-EXTEND_HEAD_DIMS = (64, 128)  # extend.py: the P V accumulators take D / 2 fp32 registers per thread
+EXTEND_HEAD_DIMS = (64, 128, 256)  # extend.py: the P V accumulators take D / 2 fp32 registers per thread
 MAX_ROWS = 16  # query rows (S x Hq / Hkv) per CTA: the per-thread accumulators are rows x 2-4 fp32
 KEYS_PER_THREAD = 2  # score phase: keys per thread (each q read serves both)
 MMA_M = 16  # a plan's block_m: 16 = the tensor-core kernel (one m16 tile of query rows), 1 = the CUDA-core one
@@ -56,7 +56,7 @@ def available() -> bool:
 def supports(problem) -> bool:
     """Whether this family expresses the problem: CUDA of a verified capability, bf16/fp16 q, NHD or HND, any
     page size; decode/verify with the cache in q's dtype or float8_e4m3fn, head dims 64/128/256 and at most 16
-    query rows per KV head; extend (4D or packed q) with the cache in q's dtype and head dims 64/128; absorbed
+    query rows per KV head; extend (4D or packed q) with the cache in q's dtype and head dims 64/128/256; absorbed
     MLA decode/verify (`mla_supports`). No key_mask (the Triton family reads it).
     (Installed or not: `available()` says that.)"""
     if problem.device_type != "cuda" or problem.capability not in VERIFIED_CAPABILITIES or problem.key_mask:

@@ -5,11 +5,11 @@ tiles of `block_n` keys; the split count is the Triton family's rule with the co
 measured with (CUTE_SPLITS). block_m 1 selects the CUDA-core kernel (decode.py), 16 (MMA_M) the tensor-core
 one (decode_mma.py), which takes float8 decode once a split spans at least MMA_MIN_SPLIT_KEYS of the keys a
 query can see (Problem.kv_span). Extend: 128 query rows (two consumer warpgroups) and a producer warpgroup,
-128-key tiles, as many stages as shared memory holds (extend_geometry), persistent CTAs (one per SM). Absorbed
-MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per SM (MLA_SPLITS); the seesaw
-kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query rows or more per request with long splits
-(mla_plan), else mla.py (4 stages of 32 keys). The choices and the measurements behind them:
-benchmarks/results/h200.md, "CuTe DSL kernels", "Session 27", "Session 29" and "Session 33".
+128-key tiles (64 at D 256), as many stages as shared memory holds (EXTEND_TILES, extend_geometry), persistent
+CTAs (one per SM). Absorbed MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per
+SM (MLA_SPLITS); the seesaw kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query rows or more
+per request with long splits (mla_plan), else mla.py (4 stages of 32 keys). The choices and the measurements
+behind them: benchmarks/results/h200.md, "CuTe DSL kernels", "Session 27", "Session 29" and "Session 33".
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ CUTE_SPLITS = dict(programs_per_sm=8, max_splits=64)  # the rule the family's de
 MLA_SEESAW_TILE = dict(block_m=64, block_n=64, num_stages=2, num_warps=8)  # mla_seesaw.py: 2 x 64 keys, TMA
 SEESAW_MIN_ROWS = 128  # q_len x heads of a request; fewer (H16) are bound by bytes, where mla.py's ring is faster
 SEESAW_MIN_SPLIT_KEYS = 1024  # a split's keys; fewer (H128 1x32768: 512) and mla.py's ring is faster
+# extend.py's (block_n, num_stages) per head dim: a 128 x D Q tile and the K/V ring within 227 KB; at D 256 the
+# 64 x 256 fp32 P V accumulators (128 registers a thread) leave room for 64-key scores only
+EXTEND_TILES = {64: (128, 4), 128: (128, 3), 256: (64, 2)}
 MLA_TILE = dict(block_m=64, block_n=32, num_stages=4, num_warps=12)  # mla.py: 64 rows, 4 stages of 32 keys
 MLA_SPLITS = dict(programs_per_sm=1, max_splits=128)  # one CTA fits an SM (223-226 KB of shared memory)
 
@@ -51,9 +54,10 @@ def plan(problem: Problem, **tiles) -> Plan:
 def _plan(problem: Problem) -> Plan:
     if problem.v_head_dim != problem.head_dim:  # absorbed MLA decode/verify (mla.py; supports() admits no other)
         return mla_plan(problem)
-    if problem.mode == "extend":
-        return Plan(mode="extend", family="cute", num_splits=1, block_m=128, block_n=128, num_warps=12,
-                    num_stages=3 if problem.head_dim > 64 else 4, scratch_bytes=0)
+    if problem.mode == "extend":  # as many stages as shared memory holds (EXTEND_TILES)
+        block_n, stages = EXTEND_TILES[problem.head_dim]
+        return Plan(mode="extend", family="cute", num_splits=1, block_m=128, block_n=block_n, num_warps=12,
+                    num_stages=stages, scratch_bytes=0)
     splits = triton_num_splits(problem, problem.batch * problem.num_kv_heads, **CUTE_SPLITS)
     tile = TILE
     if (problem.mode == "decode" and problem.kv_dtype == FP8 and problem.head_dim <= 128
@@ -83,12 +87,13 @@ def mla_plan(problem: Problem) -> Plan:
 
 
 def measured_faster(problem: Problem) -> bool:
-    """Where the CuTe family measured faster than Triton on the H200 (h200.md, "CuTe DSL kernels"): extend,
-    wherever the family expresses it (`supports`); absorbed MLA decode/verify (mla.py and mla_seesaw.py, a
-    16-bit cache) with pages whose tiles go by TMA (the pages of 64 keys it was measured with; pages of 1 to 7
-    keys and others without a box stay on Triton, unmeasured); and decode from a float8 cache with D = 128 and
-    at most 4 query heads per KV head. Other bf16 decode and verify stay on Triton (whose products run on tensor
-    cores), as do the decode configurations never measured (other head dims, larger groups)."""
+    """Where the CuTe family measured faster than Triton on the H200 (h200.md, "CuTe DSL kernels"; extend at
+    D 256: "Session 33"): extend, wherever the family expresses it (`supports`); absorbed MLA decode/verify
+    (mla.py and mla_seesaw.py, a 16-bit cache) with pages whose tiles go by TMA (the pages of 64 keys it was
+    measured with; pages of 1 to 7 keys and others without a box stay on Triton, unmeasured); and decode from a
+    float8 cache with D = 128 and at most 4 query heads per KV head. Other bf16 decode and verify stay on Triton
+    (whose products run on tensor cores), as do the decode configurations never measured (other head dims,
+    larger groups)."""
     if problem.mode == "extend":
         return True
     if problem.v_head_dim != problem.head_dim:  # MLA (mla.py): measured with pages of 64 keys (TMA boxes)
