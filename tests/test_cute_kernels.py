@@ -320,7 +320,7 @@ def test_cute_mla_rejects_an_unaligned_out_with_one_split():
 
 
 def test_cute_extend_rejects_an_unaligned_out():
-    """The extend kernel stores out's rows 16 bytes at a time (staged through shared memory): an out whose rows
+    """The extend kernel stores out's rows in 8-byte writes and takes rows on 16 bytes, as q's: an out whose rows
     do not start on 16 bytes is refused by name before anything compiles or launches."""
     pytest.importorskip("cuda.bindings.driver")
     from b12x_inductor.kernels.cute import _run_extend
