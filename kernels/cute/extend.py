@@ -53,9 +53,11 @@ Packed q: the items are fixed by the capacity (cdiv(T, BM) + B tiles a head); ea
 request on the device from cu_seqlens_q, and the items left over write zeros and lse = -inf into the padding
 rows.
 
-What limits it (benchmarks/results/h200.md, "CuTe DSL extend"): 493-551 TFLOP/s at page 16 with TMA. Before
-TMA (405-461), Nsight Compute had each consumer warpgroup spending about half its time in the softmax, most
-of it issuing MUFU.EX2 (the SFU is shared with the other warpgroup's softmax on the same SM sub-partition).
+What limits it (benchmarks/results/h200.md, "CuTe DSL extend" and "Session 33"): 423-572 TFLOP/s at D 128,
+page 16, with TMA; the short prefills keep a cost per item (its first S and last P V not overlapped, its Q
+wait), and the static item order leaves up to 3 % of imbalance between CTAs. Before TMA (405-461), Nsight
+Compute had each consumer warpgroup spending about half its time in the softmax, most of it issuing MUFU.EX2
+(the SFU is shared with the other warpgroup's softmax on the same SM sub-partition).
 """
 
 from __future__ import annotations
@@ -307,7 +309,7 @@ class ExtendKernel:
                 else:
                     length, start, lo, hi, full_lo, full_hi, n_tiles = self._key_range(
                         seqlens_ptr, kv_start_ptr, has_kv_start, b, mt, n_b, window_left, cap)
-                    if q_pending == 0:  # (issued ahead by the previous item but after a padding item)
+                    if q_pending == 0:  # not issued ahead: the previous item was a padding one
                         q_pending = self._issue_q(q_ptr, cu_ptr, item, q_sb, q_ss, q_sh, ctid, wgc, wQ)
                     self._wait_q(wgc)
                     k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h,
