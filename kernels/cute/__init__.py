@@ -340,7 +340,7 @@ def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
     shapes = dict(d=q.shape[-1], hq=q.shape[-2], hkv=hkv, batch=pt.shape[0],
                   q_len=q.shape[0] if packed else q.shape[1], packed=packed, page_size=page, q_dtype=q.dtype,
                   sm_count=device_facts(q.device)[0])
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):  # out: 8-byte stores, rows as q
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):  # out: rows as q's
         _check_aligned(name, t, shapes["d"])
     compiled = _compiled_extend(_extend_key(shapes, plan, options))
     q_strides = (0, q.stride(0), q.stride(1)) if packed else q.stride()[:3]
