@@ -304,8 +304,7 @@ class ExtendKernel:
                 h = hq // self.g
                 b, mt, n_b, row0, pad_from = self._tile_map(cu_ptr, item // self.hq)
                 if pad_from >= 0:
-                    self._empty_rows(out_ptr, lse_rows, hq, Int64(pad_from),
-                                     cutlass.min(Int32(BLOCK_M), Int32(self.s) - pad_from), ctid, 256)
+                    self._pad_rows(out_ptr, lse_rows, hq, pad_from, ctid)
                 else:
                     length, start, lo, hi, full_lo, full_hi, n_tiles = self._key_range(
                         seqlens_ptr, kv_start_ptr, has_kv_start, b, mt, n_b, window_left, cap)
@@ -491,16 +490,15 @@ class ExtendKernel:
                     lse_rows[(row0 + Int64(r)) * self.hq + Int64(hq)] = lse
 
     @cute.jit
-    def _empty_rows(self, out_ptr: cute.Pointer, lse_rows: cute.Tensor, hq: Int32, first: Int64, count: Int32,
-                    tid: Int32, threads: cutlass.Constexpr):
-        """Zeros and lse = -inf into `count` rows of out from row `first` (rows of the packed or flattened
-        [tokens, Hq, D] view), written by `threads` threads (tid: this one's index among them): a tile whose
-        rows see no key, or padding rows past cu_seqlens_q[-1]."""
+    def _pad_rows(self, out_ptr: cute.Pointer, lse_rows: cute.Tensor, hq: Int32, pad_from: Int32, ctid: Int32):
+        """Packed q's padding rows past cu_seqlens_q[-1]: zeros and lse = -inf into the BLOCK_M rows of out from
+        row pad_from that are below the capacity T, written by the 256 consumer threads (ctid)."""
         D = const_expr(self.d)
-        for i in cutlass.range((BLOCK_M * D + threads - 1) // threads, unroll=1):
-            e = tid + i * threads
+        count = cutlass.min(Int32(BLOCK_M), Int32(self.s) - pad_from)
+        for i in cutlass.range(BLOCK_M * D // 256, unroll=1):
+            e = ctid + i * 256
             if e < count * D:
-                r = first + Int64(e // D)
+                r = Int64(pad_from) + Int64(e // D)
                 orow = cute.make_tensor(out_ptr + (r * self.hq + Int64(hq)) * D, cute.make_layout((D,)))
                 orow[e % D] = self.dtype(0.0)
                 if e % D == 0:
