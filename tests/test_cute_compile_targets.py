@@ -51,6 +51,8 @@ def _cases():
     for q_len, heads, page, tiles in ((1, 128, 64, {}), (1, 16, 1, {}), (4, 16, 16, seesaw),
                                       (2, 128, 128, dict(seesaw, num_splits=1)), (4, 16, 8, {})):
         grid.append((dict(mla, q_len=q_len, num_q_heads=heads, page_size=page), tiles))  # mla(_seesaw).py
+    for q_len, heads, page, q_dtype in ((1, 16, 64, torch.bfloat16), (4, 128, 1, torch.float16)):
+        grid.append((dict(mla, q_len=q_len, num_q_heads=heads, page_size=page, q_dtype=q_dtype, kv_dtype=F8), {}))
     cases = []
     for i, (kw, tiles) in enumerate(grid):
         p = _problem(**kw, kv_layout="HND" if i % 2 else "NHD")

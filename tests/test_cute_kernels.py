@@ -506,7 +506,8 @@ def test_cute_mla_supports_and_plans():
     assert cute.supports(_problem(**mla))
     assert cute.supports(_problem(**{**mla, "q_len": 16, "num_q_heads": 16, "kv_layout": "HND", "page_size": 1}))
     assert not cute.supports(_problem(**{**mla, "v_in_k": False}))  # V read from K's tiles only
-    assert not cute.supports(_problem(**mla, kv_dtype=F8))  # float8 latent: Triton
+    assert cute.supports(_problem(**mla, kv_dtype=F8))  # float8 latent: mla.py, widened by its producer
+    assert cute.supports(_problem(**{**mla, "q_dtype": torch.float16}, kv_dtype=F8))
     assert not cute.supports(_problem(**mla, window_left=128))
     assert not cute.supports(_problem(**mla, q_len=17))  # extend: Triton
     assert not cute.supports(_problem(**mla, key_mask=True))
@@ -530,15 +531,22 @@ def test_cute_mla_supports_and_plans():
         family_plan(_problem(**{**mla, "page_size": 1}), "cute", block_n=64, num_stages=2, num_warps=8)
     with pytest.raises(ValueError, match="seesaw MLA kernel"):
         family_plan(_problem(**{**mla, "batch": 32}), "cute", block_n=32, num_stages=4)  # the seesaw's warps
+    for kw in (dict(batch=32), dict(batch=1, max_pages=512), dict(batch=64, num_q_heads=16), dict(page_size=1)):
+        plan = family_plan(_problem(**{**mla, **kw}, kv_dtype=F8), "cute")  # mla.py's ring, at every row count
+        assert (plan.block_m, (plan.block_n, plan.num_stages, plan.num_warps)) == (64, ring), (kw, plan)
+    for tiles in (dict(num_warps=8, block_n=64, num_stages=2), dict(num_stages=2)):  # seesaw; too few stages
+        with pytest.raises(ValueError, match="float8 cache"):
+            family_plan(_problem(**mla, kv_dtype=F8), "cute", **tiles)
     for tile_n, stages in ((32, 4), (64, 2)):
         assert mla_geometry(tile_n=tile_n, stages=stages)["smem_bytes"] <= SMEM_LIMIT
     assert mla_geometry(tile_n=64, stages=3) is None and mla_geometry(tile_n=32, stages=5) is None
 
 
 def _cute_mla_case(kw, options):
-    """Whether a Triton GPU case is one mla.py expresses (absorbed MLA decode/verify, 16-bit cache, no window)."""
+    """Whether a Triton GPU case is one mla.py expresses (absorbed MLA decode/verify, a 16-bit or float8 cache, no
+    window)."""
     return (kw["d"] == 576 and kw.get("v_view") and not kw.get("packed") and kw.get("q_len", 1) <= 16
-            and kw.get("kv_dtype") in (None, kw.get("dtype", torch.bfloat16)) and not kw.get("key_mask")
+            and kw.get("kv_dtype") in (None, kw.get("dtype", torch.bfloat16), F8) and not kw.get("key_mask")
             and options.get("window_left", -1) < 0)
 
 
@@ -558,6 +566,16 @@ MLA_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES
                                      nan_unused=True), dict(causal=False)),
     ("mla_verify_s8_h16_kv_start", dict(MLA, batch=2, q_len=8, hq=16, page_size=64, lens=[600, 70], kv_start=True,
                                         nan_unused=True), {}),
+    # a float8 latent cache (mla.py's producer widens it to fp16; per-request and scalar descales, K's and V's
+    # apart): 16 heads with every feature and a request whose keys all lie below kv_start; 4 drafts of 128 heads
+    # (8 row blocks) from an fp16 q with pages of 1; the query in two tensors with [B, 1] descales
+    ("mla_decode_h16_fp8_features", dict(MLA, batch=3, hq=16, page_size=64, lens=[3000, 3, 333], kv_dtype=F8,
+                                         descale="b", kv_start=True, sinks=True, nan_unused=True),
+     dict(softcap=20.0)),
+    ("mla_verify_s4_h128_fp8_fp16_p1", dict(MLA, batch=2, q_len=4, hq=128, page_size=1, lens=[300, 77],
+                                            kv_dtype=F8, dtype=torch.float16, descale="scalar", nan_unused=True), {}),
+    ("mla_decode_h16_fp8_split_q_p16", dict(MLA, batch=2, hq=16, page_size=16, lens=[1000, 45], kv_dtype=F8,
+                                            descale="bh", split_q=True, nan_unused=True), {}),
 ]
 # the plan (mla.py for these short requests: kernels/cute/plan.py's mla_plan); one split (the kernel writes out
 # and lse itself, sink folded in); 3 splits (uneven ranges); each kernel asked for: the seesaw kernel
@@ -576,6 +594,8 @@ def test_gpu_cute_mla_matches_reference(name, kw, options, variant):
 
     if variant == "seesaw" and not tma_box(page=kw["page_size"], tile_n=64):
         pytest.skip("the seesaw kernel loads by TMA only (pages of 8 to 256 keys that divide 64 or that 64 divides)")
+    if variant == "seesaw" and kw.get("kv_dtype") == F8:
+        pytest.skip("a float8 cache runs on mla.py only (the plan's ring: ring32)")
     options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
     t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000)
     out, lse, plan, _ = run_family(t, options, "cute", overrides=MLA_VARIANTS[variant])
@@ -587,13 +607,18 @@ def test_gpu_cute_mla_matches_reference(name, kw, options, variant):
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("variant", ["plan", "one_split", "seesaw"])
-@pytest.mark.parametrize("q_len,heads,split_q", [(1, 128, False), (4, 16, False), (1, 128, True), (4, 16, True)],
-                         ids=["decode_h128", "verify_h16", "decode_h128_split_q", "verify_h16_split_q"])
-def test_gpu_cute_mla_cuda_graph_replay(q_len, heads, split_q, variant):
+@pytest.mark.parametrize("q_len,heads,split_q,fp8", [(1, 128, False, False), (4, 16, False, False),
+                                                    (1, 128, True, False), (4, 16, True, False), (1, 16, False, True),
+                                                    (4, 128, True, True)],
+                         ids=["decode_h128", "verify_h16", "decode_h128_split_q", "verify_h16_split_q",
+                              "decode_h16_fp8", "verify_h128_split_q_fp8"])
+def test_gpu_cute_mla_cuda_graph_replay(q_len, heads, split_q, fp8, variant):
     """Capture once; poison the outputs, change lengths and page tables in place, replay, compare (split_q: the
-    query as q and q_pe, read in place)."""
+    query as q and q_pe, read in place; fp8: a float8 cache with per-request descales)."""
+    if fp8 and variant == "seesaw":
+        pytest.skip("a float8 cache runs on mla.py only")
     kw = dict(MLA, batch=3, q_len=q_len, hq=heads, page_size=64, lens=[500, 260, 70], spare_pages=4,
-              split_q=split_q)
+              split_q=split_q, **(dict(kv_dtype=F8, descale="b") if fp8 else {}))
     t = make_inputs(**kw, device="cuda", seed=13)
     options = dict(kv_layout="NHD")
     out, lse, plan, call = run_family(t, options, "cute", overrides=MLA_VARIANTS[variant])

@@ -75,12 +75,12 @@ def supports(problem) -> bool:
 
 def mla_supports(problem) -> bool:
     """Whether mla.py expresses the problem: absorbed MLA (D 576, Dv 512, one KV head, v_cache k_cache's first
-    512 columns: Problem.v_in_k), decode or verify (4D q), the cache in q's dtype (16-bit), no window and no
-    key mask (the caller checks CUDA, the capability and q's dtype). Any page size: tiles the page geometry
-    gives no TMA box go by cp.async."""
+    512 columns: Problem.v_in_k), decode or verify (4D q), the cache in q's dtype (16-bit) or float8_e4m3fn
+    (with descales; the products then run in fp16), no window and no key mask (the caller checks CUDA, the
+    capability and q's dtype). Any page size: tiles the page geometry gives no TMA box go by cp.async."""
     return (problem.head_dim == MLA_D and problem.v_head_dim == MLA_DV and problem.num_kv_heads == 1
             and problem.v_in_k and not problem.packed and problem.q_len <= MAX_VERIFY_LEN
-            and problem.kv_dtype == problem.q_dtype and problem.window_left < 0 and not problem.key_mask)
+            and problem.kv_dtype in (problem.q_dtype, FP8) and problem.window_left < 0 and not problem.key_mask)
 
 
 def geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, num_warps: int,
@@ -293,31 +293,32 @@ def mla_kernel_class(num_warps: int):
 @functools.cache
 def _compiled_mla(key):
     """The compiled MLA split kernel (mla.py or mla_seesaw.py: `mla_kernel_class`) for one key (s, hq, page,
-    num_splits, block_n, stages, q dtype, causal, use_softcap, num_warps)."""
+    num_splits, block_n, stages, q dtype, causal, use_softcap, kv dtype, num_warps)."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import make_ptr
 
-    s, hq, page, splits, tile_n, stages, q_dtype, causal, use_softcap, warps = key
-    qt = _cutlass_dtype(q_dtype)
+    s, hq, page, splits, tile_n, stages, q_dtype, causal, use_softcap, kv_dtype, warps = key
+    qt, kt = _cutlass_dtype(q_dtype), _cutlass_dtype(kv_dtype)
     cls = mla_kernel_class(warps)
     kernel = cls(s=s, hq=hq, page=page, num_splits=splits, tile_n=tile_n, stages=stages, q_dtype=qt,
-                 causal=causal, use_softcap=use_softcap)
+                 causal=causal, use_softcap=use_softcap, kv_dtype=kt)
     gmem = cute.AddressSpace.gmem
 
     def ptr(dt, align=4):
         return make_ptr(dt, 1 << 20, gmem, assumed_align=align)
 
-    pointers = dict(q_ptr=ptr(qt, 16), qpe_ptr=ptr(qt, 16), k_ptr=ptr(qt, 16), pt_ptr=ptr(Int32),
+    pointers = dict(q_ptr=ptr(qt, 16), qpe_ptr=ptr(qt, 16), k_ptr=ptr(kt, 16), pt_ptr=ptr(Int32),
                     seqlens_ptr=ptr(Int32), kv_start_ptr=ptr(Int32), sinks_ptr=ptr(Float32), part_o_ptr=ptr(Float32),
-                    part_l_ptr=ptr(Float32), out_ptr=ptr(qt, 2), lse_ptr=ptr(Float32))
+                    part_l_ptr=ptr(Float32), out_ptr=ptr(qt, 2), lse_ptr=ptr(Float32), kds_ptr=ptr(Float32),
+                    vds_ptr=ptr(Float32))
     return cute.compile(kernel, *_fake_args(cls, pointers))
 
 
 def _mla_key(shapes, plan: dict, options: dict) -> tuple:
     return (shapes["q_len"], shapes["hq"], shapes["page_size"], plan["num_splits"], plan["block_n"],
             plan["num_stages"], shapes["q_dtype"], bool(options["causal"]) and shapes["q_len"] > 1,
-            float(options["softcap"]) > 0, plan["num_warps"])
+            float(options["softcap"]) > 0, shapes["kv_dtype"], plan["num_warps"])
 
 
 def _extend_key(shapes, plan: dict, options: dict) -> tuple:
@@ -493,9 +494,13 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
         raise ValueError("paged_attention: the cute family's MLA kernel reads V from K's tiles; v_cache must be "
                          f"k_cache[..., :{MLA_DV}] (the same storage and strides), got v_cache of shape "
                          f"{tuple(v_cache.shape)} and strides {tuple(v_cache.stride())}")
+    fp8 = k_cache.dtype == FP8
     for name in ("k_descale", "v_descale"):
-        if tensors[name] is not None:
-            raise ValueError(f"paged_attention: the cute family's MLA kernel takes a 16-bit cache and no {name}")
+        ds = tensors[name]
+        if ds is not None and (not fp8 or (ds.dim() == 2 and ds.shape[1] != 1)):
+            raise ValueError(f"paged_attention: the cute family's MLA kernel takes {name} only with a float8 cache, "
+                             f"as a scalar, [B] or [B, 1] (one KV head); got {name} of shape {tuple(ds.shape)} with "
+                             f"a {k_cache.dtype} cache")
     batch, s, hq, _ = q.shape
     page, _ = cache_dims(k_cache.shape, layout)
     q_pe = tensors["q_pe"]
@@ -507,12 +512,14 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
     splits = plan["num_splits"]
     if splits == 1:
         _check_aligned("out", out, MLA_DV)  # one split: the kernel writes out's rows in 16-byte stores
-    shapes = dict(q_len=s, hq=hq, page_size=page, q_dtype=q.dtype)
+    shapes = dict(q_len=s, hq=hq, page_size=page, q_dtype=q.dtype, kv_dtype=k_cache.dtype)
     compiled = _compiled_mla(_mla_key(shapes, plan, options))
     part_o, part_l = split_partials(scratch, batch * s * hq * splits, MLA_DV) if splits > 1 else (lse, lse)
     kp, ko, _ = _cache_strides(k_cache.stride(), layout)
     kv_start, sinks = tensors["kv_start"], tensors["sinks"]
     softcap = float(options["softcap"])
+    kds, kds_b, _, has_kds = _descale(tensors["k_descale"], lse)
+    vds, vds_b, _, has_vds = _descale(tensors["v_descale"], lse)
     stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     with torch.cuda.device(q.device):
         compiled(*_launch_args(mla_kernel_class(plan["num_warps"]), dict(
@@ -520,7 +527,9 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
             seqlens_ptr=_ptr(tensors["cache_seqlens"], 4, torch.int32),
             kv_start_ptr=_ptr(kv_start if kv_start is not None else lse, 4, torch.int32),
             sinks_ptr=_ptr(sinks if sinks is not None else lse, 4, torch.float32), part_o_ptr=_ptr(part_o, 4),
-            part_l_ptr=_ptr(part_l, 4), out_ptr=_ptr(out, 2), lse_ptr=_ptr(lse, 4), batch=Int32(batch),
+            part_l_ptr=_ptr(part_l, 4), out_ptr=_ptr(out, 2), lse_ptr=_ptr(lse, 4), kds_ptr=_ptr(kds, 4),
+            vds_ptr=_ptr(vds, 4), kds_b=Int32(kds_b), vds_b=Int32(vds_b), has_kds=Int32(has_kds),
+            has_vds=Int32(has_vds), batch=Int32(batch),
             q_sb=Int64(q.stride(0)), q_ss=Int64(q.stride(1)), q_sh=Int64(q.stride(2)), pe_sb=Int64(q_pe.stride(0)),
             pe_ss=Int64(q_pe.stride(1)), pe_sh=Int64(q_pe.stride(2)), k_sp=Int64(kp),
             k_so=Int64(ko), pt_sb=Int64(pt.stride(0)), has_kv_start=Int32(kv_start is not None),

@@ -32,6 +32,14 @@ of the request's S x Hq: token r // Hq, head r % Hq) and one partition (split) o
   consumer thread arrives on its `empty` barrier) once both consumers' P V of it are complete: the owner at
   the top of its next tile, the other consumer before its own next P V.
 
+A float8_e4m3fn cache (with per-request or scalar descales, K's folded into the scores' scale and V's into the
+output) runs the products in fp16: e4m3 widens to fp16 exactly and in one instruction per pair (to bf16 it does
+not), Q is widened to fp16 in place after its load where q is bf16 (`_q_to_fp16`), and P is fp16. Its producer
+(`_produce_fp8`) loads each tile as stored (32 keys x 576 bytes) by cp.async into the upper half of its ring
+stage, and FP8_LAG tiles later widens it in place into the 16-bit tile the consumers read (`_widen_fp8`: each
+thread holds the chunks it copied in registers across a producer barrier, then writes them widened), so the
+ring, its barriers and the consumers are the 16-bit kernel's.
+
 Shared-memory tiles use the 128-byte swizzle wgmma reads: a tile of rows x 576 is 9 slabs of rows x 128
 bytes, 16-byte chunk c of row r at chunk position c ^ (r % 8) (as extend.py); the MMAs read the same bytes
 through `sm90_utils.make_smem_layout_a/b`, the V and P views with the ring's stage stride.
@@ -39,9 +47,10 @@ through `sm90_utils.make_smem_layout_a/b`, the V and P views with the ring's sta
 With several splits every CTA writes its normalized partial output and log2-sum-exp in the layout of the Triton
 family's scratch ([rows, splits, 512] and [rows, splits]) and the Triton merge kernel combines the splits with
 the sink into `out` and `lse`; with one split the CTA writes `out` and `lse` itself (no scratch, no merge).
-Either output leaves through the ring, free by then: each thread stores its scaled fragment pairs into rows of
-512 values (16-byte chunks swizzled by row % 8), then every thread copies whole 16-byte chunks out, so each
-warp writes 512 contiguous bytes per instruction (`out`'s rows must start on 16 bytes: _run_mla checks).
+Either output leaves through the ring (from Q's tile on where the ring is smaller than the rows), free by then:
+each thread stores its scaled fragment pairs into rows of 512 values (16-byte chunks swizzled by row % 8), then
+every thread copies whole 16-byte chunks out, so each warp writes 512 contiguous bytes per instruction (`out`'s
+rows must start on 16 bytes: _run_mla checks).
 The split's key range is computed on the device from the live length (clamped: `live_range`, page ids by
 `PageRow`), so one compiled kernel serves every length.
 """
@@ -53,7 +62,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, Uint32, const_expr
+from cutlass import Float32, Int32, Int64, Uint8, Uint16, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
@@ -62,19 +71,28 @@ from b12x_inductor.kernels.cute import MLA_D as D
 from b12x_inductor.kernels.cute import MLA_DV as DV
 from b12x_inductor.kernels.cute import mla_geometry, tma, tma_box
 from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
-                                               live_range, release_phase, split_keys, stage_phase)
-from b12x_inductor.kernels.cute.ptx import pack2
+                                               live_range, release_phase, scales, split_keys, stage_phase)
+from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, pack2
 from b12x_inductor.kernels.cute.softmax import online_softmax
 
 THREADS = 384  # producer warpgroup + two consumer warpgroups
 HALF = DV // 2  # output columns per consumer warpgroup
 SLABS = D // 64  # 128-byte slabs of a 576-wide row (the last one: the rope keys, then P)
 CHUNKS = D // 8  # 16-byte chunks of a row
-PRODUCER_REGS, CONSUMER_REGS = 40, 232  # 128 x 40 + 256 x 232 <= 65536
+CHUNKS8 = D // 16  # 16-byte chunks of a float8 row
+# setmaxnreg moves registers between the warpgroups of the launch's 168 a thread (65536 / 384, down to a multiple
+# of 8): an increase waits until decreases have freed enough, so 128 x producer + 256 x consumer <= 384 x 168
+LAUNCH_REGS = 65536 // THREADS // 8 * 8
+PRODUCER_REGS, CONSUMER_REGS = 40, 232
+# with a float8 cache the producer holds a tile's 9 chunks a thread (36 registers) while it widens them: 56
+# spill (ptxas -v, sm_90a), 72 do not, and the consumers do not spill at 216 either
+PRODUCER_REGS_FP8, CONSUMER_REGS_FP8 = 72, 216
 PUB_BAR = 3  # 3, 4: consumer c has published its tile's P and row maxima (its 128 threads arrive, the other syncs)
 OWN_BAR = 5  # 5, 6: consumer c's own P writes are complete (its 128 threads)
 Q_BAR = 7  # the Q tile is in shared memory (both consumers)
 SUM_BAR = 8  # the partial row sums are exchanged (both consumers)
+PRODUCER_BAR = 9  # float8 cache: the producer's 128 threads hold a tile's float8 chunks, which widening overwrites
+FP8_LAG = 2  # float8 cache: tiles loaded ahead of the one being widened (2 x 18 KB in flight per SM)
 RESCALE_LOG2 = 8.0  # the running max moves only by more than 2^8 (online_softmax): O is rarely rescaled
 
 
@@ -84,25 +102,31 @@ class MlaSplitKernel:
     that kernel's `threads`."""
 
     def __init__(self, *, s: int, hq: int, page: int, num_splits: int, tile_n: int, stages: int, q_dtype,
-                 causal: bool, use_softcap: bool):
+                 causal: bool, use_softcap: bool, kv_dtype=None):
         self.s, self.hq, self.page, self.num_splits = s, hq, page, num_splits
         self.tile_n, self.stages, self.dtype = tile_n, stages, q_dtype
         self.causal, self.use_softcap = causal, use_softcap
+        self.fp8 = kv_dtype is not None and kv_dtype.width == 8
+        self.mdt = cutlass.Float16 if self.fp8 else q_dtype  # the products' operand type: Q, the ring, P
+        self.regs = (PRODUCER_REGS_FP8, CONSUMER_REGS_FP8) if self.fp8 else (PRODUCER_REGS, CONSUMER_REGS)
+        assert 128 * self.regs[0] + 256 * self.regs[1] <= THREADS * LAUNCH_REGS, self.regs
         geo = mla_geometry(tile_n=tile_n, stages=stages)
         assert geo is not None, "the plan's tile does not fit this kernel (kernels/cute/__init__.py: mla_geometry)"
+        assert not self.fp8 or stages > FP8_LAG, "a float8 cache needs more ring stages than tiles loaded ahead"
         self.storage, self.smem_bytes = geo["storage"], geo["smem_bytes"]  # kernels/cute/storage.py: mla_storage
         self.rows = s * hq  # query rows of one request
         self.row_blocks = -(-self.rows // BLOCK_M)
-        self.box = tma_box(page=page, tile_n=tile_n)
+        self.box = 0 if self.fp8 else tma_box(page=page, tile_n=tile_n)  # float8 tiles are staged by cp.async
         self.threads = THREADS
 
     @cute.jit
     def __call__(
         self, q_ptr: cute.Pointer, qpe_ptr: cute.Pointer, k_ptr: cute.Pointer, pt_ptr: cute.Pointer,
         seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer, part_o_ptr: cute.Pointer,
-        part_l_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, batch: Int32, q_sb: Int64,
-        q_ss: Int64, q_sh: Int64, pe_sb: Int64, pe_ss: Int64, pe_sh: Int64, k_sp: Int64, k_so: Int64, pt_sb: Int64,
-        has_kv_start: Int32, has_sinks: Int32, sm_scale: Float32, softcap: Float32, k_pages: Int32,
+        part_l_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, kds_ptr: cute.Pointer,
+        vds_ptr: cute.Pointer, batch: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64, pe_sb: Int64, pe_ss: Int64,
+        pe_sh: Int64, k_sp: Int64, k_so: Int64, pt_sb: Int64, kds_b: Int32, vds_b: Int32, has_kds: Int32,
+        has_vds: Int32, has_kv_start: Int32, has_sinks: Int32, sm_scale: Float32, softcap: Float32, k_pages: Int32,
         max_pages: Int32, stream,
     ):
         tma_k, m_k = None, None
@@ -110,8 +134,8 @@ class MlaSplitKernel:
             tma_k, m_k = tma.cache_tma(k_ptr, k_pages, k_sp, k_so, k_so, page=self.page, d=D, hkv=1, box=self.box)
         self.kernel(
             q_ptr, qpe_ptr, k_ptr, pt_ptr, seqlens_ptr, kv_start_ptr, sinks_ptr, part_o_ptr, part_l_ptr, out_ptr,
-            lse_ptr, q_sb, q_ss, q_sh, pe_sb, pe_ss, pe_sh, k_sp, k_so, pt_sb, has_kv_start, has_sinks, sm_scale,
-            softcap, max_pages * self.page, k_pages, tma_k, m_k,
+            lse_ptr, kds_ptr, vds_ptr, q_sb, q_ss, q_sh, pe_sb, pe_ss, pe_sh, k_sp, k_so, pt_sb, kds_b, vds_b,
+            has_kds, has_vds, has_kv_start, has_sinks, sm_scale, softcap, max_pages * self.page, k_pages, tma_k, m_k,
         ).launch(grid=(self.num_splits, self.row_blocks, batch), block=(self.threads, 1, 1), smem=self.smem_bytes,
                  stream=stream, min_blocks_per_mp=1)
 
@@ -119,8 +143,9 @@ class MlaSplitKernel:
     def kernel(
         self, q_ptr: cute.Pointer, qpe_ptr: cute.Pointer, k_ptr: cute.Pointer, pt_ptr: cute.Pointer,
         seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer, part_o_ptr: cute.Pointer,
-        part_l_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, q_sb: Int64, q_ss: Int64,
-        q_sh: Int64, pe_sb: Int64, pe_ss: Int64, pe_sh: Int64, k_sp: Int64, k_so: Int64, pt_sb: Int64,
+        part_l_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, kds_ptr: cute.Pointer,
+        vds_ptr: cute.Pointer, q_sb: Int64, q_ss: Int64, q_sh: Int64, pe_sb: Int64, pe_ss: Int64, pe_sh: Int64,
+        k_sp: Int64, k_so: Int64, pt_sb: Int64, kds_b: Int32, vds_b: Int32, has_kds: Int32, has_vds: Int32,
         has_kv_start: Int32, has_sinks: Int32, sm_scale: Float32, softcap: Float32, cap: Int32, num_pages: Int32,
         tma_k: cute.CopyAtom, m_k: cute.Tensor,
     ):
@@ -131,10 +156,10 @@ class MlaSplitKernel:
         BN = const_expr(self.tile_n)
         NS = const_expr(self.stages)
         STAGE = const_expr(BN * D)  # elements of one ring stage
-        dt = self.dtype
+        dt = self.mdt  # the products' operand type (Q as loaded is q's dtype: _issue_q)
 
         mbar = storage.mbar.data_ptr()  # K full, (unused), empty: full_barrier, empty_barrier
-        q_tile = cute.recast_ptr(storage.q.data_ptr(), dtype=dt)
+        q_tile = cute.recast_ptr(storage.q.data_ptr(), dtype=self.dtype)
         ring = cute.recast_ptr(storage.kv.data_ptr(), dtype=dt)
 
         if tidx == 0:
@@ -147,14 +172,20 @@ class MlaSplitKernel:
         # ---- the split's key range, from the live length (device-side) ----
         length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
         lo = start - start % BN  # tiles start on a tile (and TMA box) boundary; keys below start are masked
+        if start >= length:  # no visible key, so no tile: the copies' nearest visible key would not exist
+            lo = length
         s_lo, s_hi, n_tiles = split_keys(lo, length, split, self.num_splits, BN)
 
         if wg == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self._produce(tidx, b, s_lo, start, length, n_tiles, k_ptr, pt_ptr, k_sp, k_so, pt_sb, num_pages, ring,
-                          mbar, tma_k, m_k)
+            cute.arch.setmaxregister_decrease(self.regs[0])
+            if const_expr(self.fp8):
+                self._produce_fp8(tidx, b, s_lo, start, length, n_tiles, k_ptr, pt_ptr, k_sp, k_so, pt_sb,
+                                  num_pages, ring, mbar)
+            else:
+                self._produce(tidx, b, s_lo, start, length, n_tiles, k_ptr, pt_ptr, k_sp, k_so, pt_sb, num_pages,
+                              ring, mbar, tma_k, m_k)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.regs[1])
             ctid = tidx - 128
             wgc = wg - 1
             lt = tidx % 128
@@ -165,7 +196,7 @@ class MlaSplitKernel:
             lk = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, BN, D), dt, NS)
             lp = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, HALF, BN), dt, 1)
             lv = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BLOCK_M, HALF, BN), dt, 1)
-            sQ = cute.make_tensor(cute.recast_ptr(q_tile, lq.inner, dtype=dt), lq.outer)
+            sQ = cute.make_tensor(cute.recast_ptr(q_tile, lq.inner, dtype=dt), lq.outer)  # fp16 if widened
             sK = cute.make_tensor(cute.recast_ptr(ring, lk.inner, dtype=dt), lk.outer)
             # P in each stage's rope slab, V (this consumer's 256 columns: slabs 4c .. 4c + 3) in its first 512
             # columns: the single-stage layouts with the ring's stage stride
@@ -197,7 +228,8 @@ class MlaSplitKernel:
                 l_run[i] = Float32(0.0)
                 limit[i] = length - self.s + (rb * BLOCK_M + t_cs[2 * i][0]) // self.hq
             sM = storage.row_max.get_tensor(cute.make_layout((2, BLOCK_M), stride=(BLOCK_M, 1)))
-            k_scale = sm_scale * Float32(LOG2E)
+            k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, Int32(0), vds_b, Int32(0), sm_scale,
+                                      b, Int32(0))
             full_hi = s_hi
             if const_expr(self.causal):
                 full_hi = cutlass.min(full_hi, length - self.s + 1)
@@ -249,7 +281,7 @@ class MlaSplitKernel:
             warpgroup.wait_group(0)
 
             self._epilogue(acc_o, t_co, m_run, l_run, storage, b, rb, split, wgc, lt, sinks_ptr, has_sinks,
-                           part_o_ptr, part_l_ptr, out_ptr, lse_ptr)
+                           part_o_ptr, part_l_ptr, out_ptr, lse_ptr, v_scale)
 
     @cute.jit
     def _take_other(self, j: Int32, wgc: Int32, acc_o: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor,
@@ -277,12 +309,13 @@ class MlaSplitKernel:
     def _epilogue(self, acc_o: cute.Tensor, t_co: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, storage,
                   b: Int32, rb: Int32, split: Int32, wgc: Int32, lt: Int32, sinks_ptr: cute.Pointer,
                   has_sinks: Int32, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer, out_ptr: cute.Pointer,
-                  lse_ptr: cute.Pointer):
+                  lse_ptr: cute.Pointer, v_scale: Float32):
         """The row sums (this consumer's partial sums, reduced over the quad, plus the other's), then this
-        consumer's 256 columns of each row. Several splits: the normalized partial output and (consumer 0) the
-        row's log2-sum-exp in the merge kernel's layout, row (b * S + token) * Hq + head, then split. One split:
-        the output itself (out [B, S, Hq, 512] in q's dtype) and lse (natural log), with the sink folded into
-        the denominator as the merge kernel folds it; zeros and -inf for a row that saw no key."""
+        consumer's 256 columns of each row, times `v_scale` (a float8 cache's V descale, else 1). Several splits:
+        the normalized partial output and (consumer 0) the row's log2-sum-exp in the merge kernel's layout, row
+        (b * S + token) * Hq + head, then split. One split: the output itself (out [B, S, Hq, 512] in q's dtype)
+        and lse (natural log), with the sink folded into the denominator as the merge kernel folds it; zeros and
+        -inf for a row that saw no key."""
         sL = storage.row_sum.get_tensor(cute.make_layout((2, BLOCK_M), stride=(BLOCK_M, 1)))
         for rh in cutlass.range_constexpr(2):
             l_r = l_run[rh]
@@ -307,6 +340,10 @@ class MlaSplitKernel:
         EPC = const_expr(128 // ODT.width)  # elements per 16-byte chunk: 8 (16-bit out) or 4 (fp32 partials)
         CPR = const_expr(DV // EPC)  # chunks per row
         ring = cute.recast_ptr(storage.kv.data_ptr(), dtype=ODT)
+        if const_expr(self.stages * self.tile_n * D * 2 < BLOCK_M * DV * ODT.width // 8):
+            # a ring smaller than the rows (2 stages of 32 keys: 72 KB, 128 KB of fp32 partials) starts at Q's
+            # tile, which the ring directly follows (storage.mla_storage) and no product reads any more either
+            ring = cute.recast_ptr(storage.q.data_ptr(), dtype=ODT)
         s_o = cute.make_tensor(ring, cute.make_layout((BLOCK_M, CPR, EPC), stride=(DV, EPC, 1)))
         s_w = cute.make_tensor(cute.recast_ptr(ring, dtype=Uint32),
                                cute.make_layout((BLOCK_M, CPR, EPC * ODT.width // 32), stride=(DV * ODT.width // 32,
@@ -327,11 +364,11 @@ class MlaSplitKernel:
                 m_f = cutlass.max(m_r, sink)
                 if seen:
                     l_f = l_r * cute.arch.exp2(m_r - m_f) + cute.arch.exp2(sink - m_f)
-                    f = cute.arch.exp2(m_r - m_f) / l_f
+                    f = cute.arch.exp2(m_r - m_f) / l_f * v_scale
                     lse = (m_f + cute.math.log2(l_f)) * Float32(LN2)
             else:
                 if seen:
-                    f = Float32(1.0) / l_r
+                    f = v_scale / l_r
                     lse = m_r + cute.math.log2(l_r)
             for e in cutlass.range_constexpr(0, NO_ELEMS, 2):  # e, e + 1: adjacent columns of one row
                 if const_expr((e // 2) % 2 == rh):
@@ -373,9 +410,12 @@ class MlaSplitKernel:
     @cute.jit
     def _load_q(self, q: dict, b: Int32, rb: Int32, ctid: Int32, q_tile: cute.Pointer):
         """The CTA's 64 query rows -> shared memory by cp.async (both consumers; zeros past the request's rows),
-        then a barrier of both consumers: Q is in place for their wgmma (_issue_q, then _wait_q)."""
+        then a barrier of both consumers: Q is in place for their wgmma (_issue_q, then _wait_q; widened to fp16
+        where the products run in fp16 on bf16 q: a float8 cache)."""
         self._issue_q(q, b, rb, ctid, q_tile)
         self._wait_q()
+        if const_expr(self.mdt is not self.dtype):
+            self._q_to_fp16(ctid, q_tile)
 
     @cute.jit
     def _issue_q(self, q: dict, b: Int32, rb: Int32, ctid: Int32, q_tile: cute.Pointer):
@@ -419,15 +459,33 @@ class MlaSplitKernel:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=Q_BAR, number_of_threads=256)
 
+    @cute.jit
+    def _q_to_fp16(self, ctid: Int32, q_tile: cute.Pointer):
+        """bf16 Q -> fp16 in place, 8 elements (one 16-byte chunk) at a time, 18 chunks per consumer thread, then
+        the barrier of the 256. Elementwise, so the swizzle does not matter. fp16 holds every bf16 query value of
+        magnitude 6e-5 to 65504 exactly (the Triton family's float8 products do the same)."""
+        n = BLOCK_M * CHUNKS
+        src = cute.make_tensor(q_tile, cute.make_layout((n, 8), stride=(8, 1)))
+        dst = cute.make_tensor(cute.recast_ptr(q_tile, dtype=cutlass.Float16), cute.make_layout((n, 8), stride=(8, 1)))
+        x = cute.make_rmem_tensor((8,), self.dtype)
+        y = cute.make_rmem_tensor((8,), cutlass.Float16)
+        for i in cutlass.range_constexpr(n // 256):
+            e = ctid + i * 256
+            cute.autovec_copy(src[e, None], x)
+            y.store(x.load().to(cutlass.Float16))
+            cute.autovec_copy(y, dst[e, None])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=Q_BAR, number_of_threads=256)
+
     def _mma_qk(self):
         """S = Q K^T: one warpgroup of 64 rows, Q and K from shared memory (both K-major)."""
         kmaj = warpgroup.OperandMajorMode.K
-        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, kmaj, kmaj, Float32, (1, 1, 1),
+        return sm90_utils.make_trivial_tiled_mma(self.mdt, self.mdt, kmaj, kmaj, Float32, (1, 1, 1),
                                                  (64, self.tile_n))
 
     def _mma_pv(self):
         """O += P V for one consumer's 256 columns: P from shared memory (K-major), V read N-major."""
-        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, warpgroup.OperandMajorMode.K,
+        return sm90_utils.make_trivial_tiled_mma(self.mdt, self.mdt, warpgroup.OperandMajorMode.K,
                                                  warpgroup.OperandMajorMode.MN, Float32, (1, 1, 1), (64, HALF))
 
     @cute.jit
@@ -537,6 +595,86 @@ class MlaSplitKernel:
         cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier(mbar, NS, 0, stage))
 
 
+    @cute.jit
+    def _produce_fp8(self, tidx: Int32, b: Int32, s_lo: Int32, start: Int32, length: Int32, n_tiles: Int32,
+                     k_ptr: cute.Pointer, pt_ptr: cute.Pointer, k_sp: Int64, k_so: Int64, pt_sb: Int64,
+                     num_pages: Int32, ring: cute.Pointer, mbar: cute.Pointer):
+        """The producer warpgroup with a float8 cache. Tile `it` goes by cp.async, as stored, into the upper half
+        of its ring stage once the stage is released (`_stage_fp8`); FP8_LAG iterations later, with FP8_LAG
+        tiles' loads in flight behind it, it is widened in place to the fp16 tile the consumers read
+        (`_widen_fp8`) and every producer thread arrives on the stage's full mbarrier (128 arrivals). One
+        cp.async group is committed per iteration (empty where no tile is loaded), so wait_group(FP8_LAG - 1)
+        always means: this thread's chunks of tile it - FP8_LAG have landed. Keys outside [kv_start, length)
+        copy the nearest visible one, as _cp_async_tile."""
+        BN = const_expr(self.tile_n)
+        NS = const_expr(self.stages)
+        loads = dict(tidx=tidx, b=b, start=start, length=length, k_ptr=k_ptr, pt_ptr=pt_ptr, k_sp=k_sp, k_so=k_so,
+                     pt_sb=pt_sb, num_pages=num_pages, ring=ring)
+        for it in cutlass.range(n_tiles + FP8_LAG, unroll=1):
+            if it >= FP8_LAG:
+                done = (it - FP8_LAG) % NS
+                cute.arch.cp_async_wait_group(FP8_LAG - 1)
+                self._widen_fp8(tidx, done, ring)
+                cute.arch.fence_proxy("async.shared", space="cta")  # the widened tile -> the consumers' wgmma
+                cute.arch.mbarrier_arrive(full_barrier(mbar, NS, 0, done))
+            if it < n_tiles:
+                stage = it % NS
+                if it >= NS:
+                    cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), release_phase(it, NS))
+                self._stage_fp8(loads, s_lo + it * BN, stage)
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _stage_fp8(self, loads: dict, j0: Int32, stage: Int32):
+        """Keys j0 .. j0 + TN of the float8 cache, as stored (TN x 576 bytes, rows contiguous), into the upper
+        half of ring stage `stage`: 16-byte chunk e (row e // 36, chunk e % 36; e = tid + 128 i), one cp.async
+        each."""
+        BN = const_expr(self.tile_n)
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Uint8,
+                                   num_bits_per_copy=128)
+        pt_row = PageRow(loads["pt_ptr"], loads["pt_sb"], loads["b"], loads["num_pages"])
+        dst = _fp8_half(loads["ring"], BN, self.stages, Uint8)
+        first = Uint32(loads["start"])
+        last = Uint32(loads["length"] - 1)
+        k_base = loads["k_ptr"].toint()
+        for i in cutlass.range(BN * CHUNKS8 // 128, unroll=3):
+            e = loads["tidx"] + i * 128
+            row = e // CHUNKS8
+            ch = e % CHUNKS8
+            j = cutlass.min(cutlass.max(Uint32(j0 + row), first), last)
+            page = Int64(Uint32(pt_row[j // self.page]))
+            src = cute.make_tensor(cute.make_ptr(Uint8, k_base + page * loads["k_sp"] + Int64(j % self.page)
+                                                 * loads["k_so"] + ch * 16, cute.AddressSpace.gmem, assumed_align=16),
+                                   cute.make_layout((16,)))
+            cute.copy(atom, src, dst[stage, e, None])
+
+    @cute.jit
+    def _widen_fp8(self, tidx: Int32, stage: Int32, ring: cute.Pointer):
+        """Ring stage `stage`'s float8 tile (its upper half: `_stage_fp8`) -> fp16 in place. Each thread reads the
+        chunks it copied into registers; after the producer's barrier (the fp16 rows overwrite other threads'
+        float8 chunks) it writes each chunk's 16 values (two cvt.rn.f16x2.e4m3x2 per 32-bit word) as the row's
+        16-bit chunks 2c and 2c + 1, at their swizzled places."""
+        BN = const_expr(self.tile_n)
+        PER = const_expr(BN * CHUNKS8 // 128)  # chunks per thread
+        src = _fp8_half(ring, BN, self.stages, Uint32)
+        wK = _chunks_view(cute.recast_ptr(ring, dtype=Uint32), BN, self.stages, per_chunk=4)
+        x = cute.make_rmem_tensor((PER, 4), Uint32)
+        for i in cutlass.range_constexpr(PER):
+            cute.autovec_copy(src[stage, tidx + i * 128, None], x[i, None])
+        cute.arch.barrier(barrier_id=PRODUCER_BAR, number_of_threads=128)
+        lo = cute.make_rmem_tensor((4,), Uint32)
+        hi = cute.make_rmem_tensor((4,), Uint32)
+        for i in cutlass.range_constexpr(PER):
+            e = tidx + i * 128
+            row = e // CHUNKS8
+            ch = e % CHUNKS8
+            for k in cutlass.range_constexpr(2):
+                lo[2 * k], lo[2 * k + 1] = e4m3x4_to_f16x4(x[i, k])
+                hi[2 * k], hi[2 * k + 1] = e4m3x4_to_f16x4(x[i, 2 + k])
+            cute.autovec_copy(lo, _chunk(wK[stage, None, None, None, None, None], row, 2 * ch))
+            cute.autovec_copy(hi, _chunk(wK[stage, None, None, None, None, None], row, 2 * ch + 1))
+
+
 def query_parts(q_ptr, q_sb, q_ss, q_sh, qpe_ptr, pe_sb, pe_ss, pe_sh) -> dict:
     """The query's two sources as `_issue_q` takes them: "nope", columns 0..511 (q), and "pe", 512..575 (q_pe,
     or q's own columns 512.. when the query is one tensor: the host passes that view), each (pointer, request
@@ -567,10 +705,21 @@ def _with_stage_stride(layout, stages: int, stride: int):
     return cute.make_layout((shape[0], shape[1], (1, stages)), stride=(strides[0], strides[1], (0, stride)))
 
 
-def _chunks_view(ptr, rows: int, stages: int):
-    """(stage, slab, row // 8, row % 8, chunk position, 8 elements) of `stages` swizzled rows x 576 tiles."""
-    return cute.make_tensor(ptr, cute.make_layout((stages, SLABS, rows // 8, 8, 8, 8),
-                                                  stride=(rows * D, rows * 64, 512, 64, 8, 1)))
+def _fp8_half(ring, rows: int, stages: int, dtype):
+    """(stage, 16-byte chunk, values) of the float8 tiles in the upper halves of the ring's 16-bit stages (rows x
+    576 bytes, rows contiguous), as `dtype` (Uint8: 16 values a chunk; Uint32: 4)."""
+    per = 128 // dtype.width
+    stage = rows * D * 2 // (dtype.width // 8)  # a 16-bit stage, in `dtype` elements
+    return cute.make_tensor(cute.recast_ptr(ring + rows * D // 2, dtype=dtype),
+                            cute.make_layout((stages, rows * CHUNKS8, per), stride=(stage, per, 1)))
+
+
+def _chunks_view(ptr, rows: int, stages: int, per_chunk: int = 8):
+    """(stage, slab, row // 8, row % 8, chunk position, `per_chunk` elements) of `stages` swizzled rows x 576
+    tiles of 16-bit values, through a pointer of 8 elements per 16-byte chunk (or 4: 32-bit words of pairs)."""
+    return cute.make_tensor(ptr, cute.make_layout((stages, SLABS, rows // 8, 8, 8, per_chunk),
+                                                  stride=(rows * D * per_chunk // 8, rows * 8 * per_chunk,
+                                                          64 * per_chunk, 8 * per_chunk, per_chunk, 1)))
 
 
 @cute.jit

@@ -74,12 +74,14 @@ class MlaSeesawKernel(MlaSplitKernel):
     (plan.MLA_SEESAW_TILE; kernels/cute/__init__.py: mla_seesaw_geometry)."""
 
     def __init__(self, *, s: int, hq: int, page: int, num_splits: int, tile_n: int, stages: int, q_dtype,
-                 causal: bool, use_softcap: bool):
+                 causal: bool, use_softcap: bool, kv_dtype=None):
         from b12x_inductor.kernels.cute import mla_seesaw_geometry
 
         assert (tile_n, stages) == (TILE_N, 2), "the seesaw kernel's tile is 2 buffers of 64 keys"
+        assert kv_dtype is None or kv_dtype is q_dtype, "the seesaw kernel reads a 16-bit cache in q's dtype"
         self.s, self.hq, self.page, self.num_splits = s, hq, page, num_splits
         self.tile_n, self.stages, self.dtype = TILE_N, 2, q_dtype
+        self.fp8, self.mdt = False, q_dtype
         self.causal, self.use_softcap = causal, use_softcap
         geo = mla_seesaw_geometry()
         self.storage, self.smem_bytes = geo["storage"], geo["smem_bytes"]  # storage.py: mla_seesaw_storage
@@ -93,11 +95,12 @@ class MlaSeesawKernel(MlaSplitKernel):
     def kernel(
         self, q_ptr: cute.Pointer, qpe_ptr: cute.Pointer, k_ptr: cute.Pointer, pt_ptr: cute.Pointer,
         seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer, part_o_ptr: cute.Pointer,
-        part_l_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, q_sb: Int64, q_ss: Int64,
-        q_sh: Int64, pe_sb: Int64, pe_ss: Int64, pe_sh: Int64, k_sp: Int64, k_so: Int64, pt_sb: Int64,
+        part_l_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer, kds_ptr: cute.Pointer,
+        vds_ptr: cute.Pointer, q_sb: Int64, q_ss: Int64, q_sh: Int64, pe_sb: Int64, pe_ss: Int64, pe_sh: Int64,
+        k_sp: Int64, k_so: Int64, pt_sb: Int64, kds_b: Int32, vds_b: Int32, has_kds: Int32, has_vds: Int32,
         has_kv_start: Int32, has_sinks: Int32, sm_scale: Float32, softcap: Float32, cap: Int32, num_pages: Int32,
         tma_k: cute.CopyAtom, m_k: cute.Tensor,
-    ):
+    ):  # kds_* / vds_*: a float8 cache's descales, which this kernel never reads (16-bit caches only)
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)  # storage.py: mla_seesaw_storage
         tidx, _, _ = cute.arch.thread_idx()
         split, rb, b = cute.arch.block_idx()
@@ -222,7 +225,7 @@ class MlaSeesawKernel(MlaSplitKernel):
             for rh in cutlass.range_constexpr(2):
                 m_run[rh] = sM[t_co[2 * rh][0]]
         self._epilogue(acc_o, t_co, m_run, l_run, storage, b, rb, split, wgc, lt, sinks_ptr, has_sinks,
-                       part_o_ptr, part_l_ptr, out_ptr, lse_ptr)
+                       part_o_ptr, part_l_ptr, out_ptr, lse_ptr, Float32(1.0))
 
     @cute.jit
     def _rounds(self, ctx: dict, round_fn: cutlass.Constexpr, n_steady: Int32, own: tuple, args: tuple):

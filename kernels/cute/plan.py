@@ -8,8 +8,9 @@ query can see (Problem.kv_span). Extend: 128 query rows (two consumer warpgroups
 128-key tiles (64 at D 256), as many stages as shared memory holds (EXTEND_TILES, extend_geometry), persistent
 CTAs (one per SM). Absorbed MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per
 SM (MLA_SPLITS); the seesaw kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query rows or more
-per request with long splits (mla_plan), else mla.py (4 stages of 32 keys). The choices and the measurements
-behind them: benchmarks/results/h200.md, "CuTe DSL kernels", "Session 27", "Session 29" and "Session 33".
+per request with long splits (mla_plan), else mla.py (4 stages of 32 keys), which alone takes a float8 latent
+cache. The choices and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL kernels", "Session
+27", "Session 29", "Session 33" and "Session 34".
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def plan(problem: Problem, **tiles) -> Plan:
         raise ValueError("paged_attention: the cute family's MLA kernel reads V from K's tiles, its other kernels "
                          f"load V themselves; v_from_k={tiles['v_from_k']} is the Triton family's")
     out = with_tiles(problem, _plan(problem), tiles, always_split=not mla)
+    if mla and problem.kv_dtype == FP8 and (out.num_warps != MLA_TILE["num_warps"] or out.num_stages < 3):
+        raise ValueError("paged_attention: the cute family's MLA kernel reads a float8 cache with mla.py "
+                         "(num_warps=12) and at least 3 stages (2 tiles load while a third is widened); got "
+                         f"num_stages={out.num_stages}, num_warps={out.num_warps}")
     if mla and out.num_warps == MLA_SEESAW_TILE["num_warps"]:
         from b12x_inductor.kernels.cute import tma_box
 
@@ -73,7 +78,8 @@ def mla_plan(problem: Problem) -> Plan:
     SM. The seesaw kernel (mla_seesaw.py) where it measured faster than mla.py (h200.md, session 29): a
     request's rows fill two row blocks or more (SEESAW_MIN_ROWS: bound by the tensor cores, not by bytes), each
     split spans SEESAW_MIN_SPLIT_KEYS keys or more, and its 64-key tiles go by TMA; mla.py elsewhere (and for
-    pages without a box, which it gathers with cp.async). Both take 64 rows, so the split count is the same."""
+    pages without a box, which it gathers with cp.async, and for a float8 cache, which its producer widens).
+    Both take 64 rows, so the split count is the same."""
     from b12x_inductor.kernels.cute import tma_box
 
     rows = problem.q_len * problem.num_q_heads
@@ -82,18 +88,21 @@ def mla_plan(problem: Problem) -> Plan:
     seesaw = (rows >= SEESAW_MIN_ROWS and problem.kv_span // splits >= SEESAW_MIN_SPLIT_KEYS
               and tma_box(page=problem.page_size, tile_n=MLA_SEESAW_TILE["block_n"]) != 0)
     tile = MLA_SEESAW_TILE if seesaw else MLA_TILE
+    if problem.kv_dtype == FP8:  # mla.py only: its producer widens the loads in place
+        tile = MLA_TILE
     return Plan(mode=problem.mode, family="cute", num_splits=splits, **tile, v_from_k=True,
                 scratch_bytes=split_scratch_bytes(problem, splits))  # one split writes out itself
 
 
 def measured_faster(problem: Problem) -> bool:
     """Where the CuTe family measured faster than Triton on the H200 (h200.md, "CuTe DSL kernels"; extend at
-    D 256: "Session 33"): extend, wherever the family expresses it (`supports`); absorbed MLA decode/verify
-    (mla.py and mla_seesaw.py, a 16-bit cache) with pages whose tiles go by TMA (the pages of 64 keys it was
-    measured with; pages of 1 to 7 keys and others without a box stay on Triton, unmeasured); and decode from a
-    float8 cache with D = 128 and at most 4 query heads per KV head. Other bf16 decode and verify stay on Triton
-    (whose products run on tensor cores), as do the decode configurations never measured (other head dims,
-    larger groups)."""
+    D 256: "Session 33"; the float8 latent cache: "Session 34"): extend, wherever the family expresses it
+    (`supports`); absorbed MLA decode/verify (mla.py and mla_seesaw.py with a 16-bit cache; mla.py with a float8
+    one, 1.10-1.16x the Triton kernel at H 16 and 2.2-2.3x at H 128) with pages whose tiles go by TMA (the pages
+    of 64 keys it was measured with; pages of 1 to 7 keys and others without a box stay on Triton, unmeasured);
+    and decode from a float8 cache with D = 128 and at most 4 query heads per KV head. Other bf16 decode and
+    verify stay on Triton (whose products run on tensor cores), as do the decode configurations never measured
+    (other head dims, larger groups)."""
     if problem.mode == "extend":
         return True
     if problem.v_head_dim != problem.head_dim:  # MLA (mla.py): measured with pages of 64 keys (TMA boxes)

@@ -4,6 +4,7 @@ bindings (`cutlass._mlir`). Each helper is a `dsl_user_op` that emits one instru
 - `mma_m16n8k16`: mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32
 - `pack2`: cvt.rn.{bf16x2,f16x2}.f32 (two fp32 into one register)
 - `e4m3x2_to_f16x2`: cvt.rn.f16x2.e4m3x2 (two float8_e4m3 into two fp16, sm89+)
+- `e4m3x4_to_f16x4`: the same for the two halves of a 32-bit word (a mov and two cvt)
 """
 
 from __future__ import annotations
@@ -48,3 +49,14 @@ def e4m3x2_to_f16x2(x, *, loc=None, ip=None):
     return Uint32(llvm.inline_asm(
         T.i32(), [Uint16(x).ir_value(loc=loc, ip=ip)], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def e4m3x4_to_f16x4(w, *, loc=None, ip=None):
+    """Four float8_e4m3 values in a 32-bit word -> two registers of two fp16 each: bytes 0-1, then bytes 2-3
+    (order kept)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32(), T.i32()]), [Uint32(w).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.rn.f16x2.e4m3x2 $0, lo;\ncvt.rn.f16x2.e4m3x2 $1, hi;\n}",
+        "=r,=r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2)]

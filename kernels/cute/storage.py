@@ -99,8 +99,11 @@ def mla_storage(*, block_m: int, d: int, tile_n: int, stages: int):
     """mla.py's shared memory: the Q tile (block_m x d), the ring of `stages` latent tiles (tile_n x d; V is
     the first 512 columns of each, and each tile's last 64 columns, the rope keys, hold the tile's P once its
     scores are taken), all 16-bit, 1024-byte aligned; 3 x stages mbarriers (only K full and empty are used:
-    common.full_barrier, empty_barrier); each consumer warpgroup's published row maxima and final row sums."""
-    assert tile_n * d * 2 % 1024 == 0, (tile_n, d)
+    common.full_barrier, empty_barrier); each consumer warpgroup's published row maxima and final row sums.
+    The ring directly follows the Q tile (both multiples of 1024 bytes): the epilogue stages the output rows
+    from Q's tile on where the ring alone is too small for them. A float8 cache's tiles land, as stored, in the
+    upper half of their stage and are widened in place."""
+    assert tile_n * d * 2 % 1024 == 0 and block_m * d * 2 % 1024 == 0, (block_m, tile_n, d)
 
     @cute.struct
     class SharedStorage:
