@@ -83,7 +83,9 @@ def test_compile_cache_starts_a_new_process_warm(tmp_path, reference):
     engine = Engine(_model(), ServeConfig(**_CONFIG, compile_cache=str(saved)))
     report = engine.warmup()
     assert [b.source for b in report.buckets] == ["compiled"] * len(engine.runner.buckets) == ["compiled"] * 2
-    assert all(b.graphs == 1 and b.fx_miss == 1 and b.compile_s >= b.dynamo_s + b.backend_s - 1e-6
+    # Dynamo's and the backend's seconds are torch's own timers, inside the bucket's first call (compile_s, the
+    # engine's clock, which also holds the first run); torch 2.13's have been seen 0.4 % past it, so 2 % slack
+    assert all(b.graphs == 1 and b.fx_miss == 1 and b.dynamo_s + b.backend_s <= 1.02 * b.compile_s
                for b in report.buckets)
     assert report.saved_bytes > 0 and (saved / ARTIFACTS).stat().st_size == report.saved_bytes
     manifest = json.loads((saved / MANIFEST).read_text())
