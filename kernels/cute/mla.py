@@ -594,15 +594,14 @@ class MlaSplitKernel:
             cute.copy(atom, src, _chunk(wK[stage, None, None, None, None, None], row, ch))
         cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier(mbar, NS, 0, stage))
 
-
     @cute.jit
     def _produce_fp8(self, tidx: Int32, b: Int32, s_lo: Int32, start: Int32, length: Int32, n_tiles: Int32,
                      k_ptr: cute.Pointer, pt_ptr: cute.Pointer, k_sp: Int64, k_so: Int64, pt_sb: Int64,
                      num_pages: Int32, ring: cute.Pointer, mbar: cute.Pointer):
         """The producer warpgroup with a float8 cache. Tile `it` goes by cp.async, as stored, into the upper half
-        of its ring stage once the stage is released (`_stage_fp8`); FP8_LAG iterations later, with FP8_LAG
-        tiles' loads in flight behind it, it is widened in place to the fp16 tile the consumers read
-        (`_widen_fp8`) and every producer thread arrives on the stage's full mbarrier (128 arrivals). One
+        of its ring stage once the stage is released (`_stage_fp8`); FP8_LAG iterations later, the next tiles'
+        loads in flight meanwhile, it is widened in place to the fp16 tile the consumers read (`_widen_fp8`)
+        and every producer thread arrives on the stage's full mbarrier (128 arrivals). One
         cp.async group is committed per iteration (empty where no tile is loaded), so wait_group(FP8_LAG - 1)
         always means: this thread's chunks of tile it - FP8_LAG have landed. Keys outside [kv_start, length)
         copy the nearest visible one, as _cp_async_tile."""
