@@ -47,11 +47,12 @@ def cute_configs():
         ("extend", (128, 4, 32, 4, 1024, 16, False, 128, 3, bf, True, False, False, 132)),
         ("extend", (64, 4, 32, 4, 2048, 64, True, 128, 4, bf, True, True, True, 132)),
         ("extend", (128, 1, 8, 2, 300, 1, True, 128, 3, fp, False, False, False, 132)),
-        # mla: (s, hq, page, splits, tile_n, stages, q, causal, softcap, warps: 12 mla.py, 8 mla_seesaw.py)
-        ("mla", (1, 128, 64, 2, 32, 4, bf, False, False, 12)),
-        ("mla", (4, 16, 1, 1, 32, 4, bf, True, True, 12)),
-        ("mla", (1, 128, 64, 2, 64, 2, bf, False, False, 8)),
-        ("mla", (4, 16, 16, 1, 64, 2, fp, True, True, 8)),
+        # mla: (s, hq, page, splits, tile_n, stages, q, causal, softcap, kv, warps: 12 mla.py, 8 mla_seesaw.py)
+        ("mla", (1, 128, 64, 2, 32, 4, bf, False, False, bf, 12)),
+        ("mla", (4, 16, 1, 1, 32, 4, bf, True, True, bf, 12)),
+        ("mla", (1, 128, 64, 2, 64, 2, bf, False, False, bf, 8)),
+        ("mla", (4, 16, 16, 1, 64, 2, fp, True, True, fp, 8)),
+        ("mla", (1, 16, 64, 4, 32, 4, bf, False, True, f8, 12)),
     ]
 
 
