@@ -586,13 +586,21 @@ class MlaSplitKernel:
             e = tidx + i * 128
             row = e // CHUNKS
             ch = e % CHUNKS
-            j = cutlass.min(cutlass.max(Uint32(j0 + row), first), last)
-            page = Int64(Uint32(pt_row[j // self.page]))
-            src = cute.make_tensor(cute.make_ptr(dt, k_base + page * k_sp * 2 + Int64(j % self.page) * k_so * 2
-                                                 + ch * 16, cute.AddressSpace.gmem, assumed_align=16),
+            addr = self._key_chunk(pt_row, k_base, k_sp, k_so, first, last, j0 + row, ch, 2)
+            src = cute.make_tensor(cute.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=16),
                                    cute.make_layout((8,)))
             cute.copy(atom, src, _chunk(wK[stage, None, None, None, None, None], row, ch))
         cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier(mbar, NS, 0, stage))
+
+    @cute.jit
+    def _key_chunk(self, pt_row, k_base: Int64, k_sp: Int64, k_so: Int64, first: Uint32, last: Uint32,
+                   j: Int32, ch: Int32, esize: cutlass.Constexpr):
+        """The global address of 16-byte chunk `ch` of key j (clamped to the visible keys [first, last], so a key
+        outside copies the nearest visible one) of the cache at k_base, page and slot strides in elements of
+        `esize` bytes; the page id widened to 64 bits. Both cp.async gathers' (_cp_async_tile, _stage_fp8)."""
+        j = cutlass.min(cutlass.max(Uint32(j), first), last)
+        page = Int64(Uint32(pt_row[j // self.page]))
+        return k_base + page * k_sp * esize + Int64(j % self.page) * k_so * esize + ch * 16
 
     @cute.jit
     def _produce_fp8(self, tidx: Int32, b: Int32, s_lo: Int32, start: Int32, length: Int32, n_tiles: Int32,
@@ -640,10 +648,8 @@ class MlaSplitKernel:
             e = loads["tidx"] + i * 128
             row = e // CHUNKS8
             ch = e % CHUNKS8
-            j = cutlass.min(cutlass.max(Uint32(j0 + row), first), last)
-            page = Int64(Uint32(pt_row[j // self.page]))
-            src = cute.make_tensor(cute.make_ptr(Uint8, k_base + page * loads["k_sp"] + Int64(j % self.page)
-                                                 * loads["k_so"] + ch * 16, cute.AddressSpace.gmem, assumed_align=16),
+            addr = self._key_chunk(pt_row, k_base, loads["k_sp"], loads["k_so"], first, last, j0 + row, ch, 1)
+            src = cute.make_tensor(cute.make_ptr(Uint8, addr, cute.AddressSpace.gmem, assumed_align=16),
                                    cute.make_layout((16,)))
             cute.copy(atom, src, dst[stage, e, None])
 
