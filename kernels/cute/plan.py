@@ -86,10 +86,9 @@ def mla_plan(problem: Problem) -> Plan:
     row_blocks = -(-rows // MLA_TILE["block_m"])
     splits = triton_num_splits(problem, problem.batch * row_blocks, **MLA_SPLITS)
     seesaw = (rows >= SEESAW_MIN_ROWS and problem.kv_span // splits >= SEESAW_MIN_SPLIT_KEYS
-              and tma_box(page=problem.page_size, tile_n=MLA_SEESAW_TILE["block_n"]) != 0)
+              and tma_box(page=problem.page_size, tile_n=MLA_SEESAW_TILE["block_n"]) != 0
+              and problem.kv_dtype != FP8)  # a float8 cache: mla.py only, whose producer widens the loads
     tile = MLA_SEESAW_TILE if seesaw else MLA_TILE
-    if problem.kv_dtype == FP8:  # mla.py only: its producer widens the loads in place
-        tile = MLA_TILE
     return Plan(mode=problem.mode, family="cute", num_splits=splits, **tile, v_from_k=True,
                 scratch_bytes=split_scratch_bytes(problem, splits))  # one split writes out itself
 
