@@ -38,7 +38,8 @@ not), Q is widened to fp16 in place after its load where q is bf16 (`_q_to_fp16`
 (`_produce_fp8`) loads each tile as stored (32 keys x 576 bytes) by cp.async into the upper half of its ring
 stage, and FP8_LAG tiles later widens it in place into the 16-bit tile the consumers read (`_widen_fp8`: each
 thread holds the chunks it copied in registers across a producer barrier, then writes them widened), so the
-ring, its barriers and the consumers are the 16-bit kernel's.
+ring, its barriers and the consumers are the 16-bit kernel's. Four producer threads share a key row, so each
+reads one page id per row and tile, a tile ahead of its copies.
 
 Shared-memory tiles use the 128-byte swizzle wgmma reads: a tile of rows x 576 is 9 slabs of rows x 128
 bytes, 16-byte chunk c of row r at chunk position c ^ (r % 8) (as extend.py); the MMAs read the same bytes
@@ -84,9 +85,9 @@ CHUNKS8 = D // 16  # 16-byte chunks of a float8 row
 # of 8): an increase waits until decreases have freed enough, so 128 x producer + 256 x consumer <= 384 x 168
 LAUNCH_REGS = 65536 // THREADS // 8 * 8
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
-# with a float8 cache the producer holds a tile's 9 chunks a thread (36 registers) while it widens them: 56
-# spill (ptxas -v, sm_90a), 72 do not, and the consumers do not spill at 216 either
-PRODUCER_REGS_FP8, CONSUMER_REGS_FP8 = 72, 216
+# with a float8 cache the producer holds a tile's 9 chunks a thread (36 registers) while it widens them, and the
+# next tile's page ids: 72 spill 8 bytes (ptxas -v, sm_90a), 80 do not, and the consumers do not spill at 208
+PRODUCER_REGS_FP8, CONSUMER_REGS_FP8 = 80, 208
 PUB_BAR = 3  # 3, 4: consumer c has published its tile's P and row maxima (its 128 threads arrive, the other syncs)
 OWN_BAR = 5  # 5, 6: consumer c's own P writes are complete (its 128 threads)
 Q_BAR = 7  # the Q tile is in shared memory (both consumers)
@@ -113,6 +114,7 @@ class MlaSplitKernel:
         geo = mla_geometry(tile_n=tile_n, stages=stages)
         assert geo is not None, "the plan's tile does not fit this kernel (kernels/cute/__init__.py: mla_geometry)"
         assert not self.fp8 or stages > FP8_LAG, "a float8 cache needs more ring stages than tiles loaded ahead"
+        assert not self.fp8 or tile_n % 32 == 0, "the float8 producer copies 32 key rows per pass (_fp8_chunk)"
         self.storage, self.smem_bytes = geo["storage"], geo["smem_bytes"]  # kernels/cute/storage.py: mla_storage
         self.rows = s * hq  # query rows of one request
         self.row_blocks = -(-self.rows // BLOCK_M)
@@ -597,7 +599,7 @@ class MlaSplitKernel:
                    j: Int32, ch: Int32, esize: cutlass.Constexpr):
         """The global address of 16-byte chunk `ch` of key j (clamped to the visible keys [first, last], so a key
         outside copies the nearest visible one) of the cache at k_base, page and slot strides in elements of
-        `esize` bytes; the page id widened to 64 bits. Both cp.async gathers' (_cp_async_tile, _stage_fp8)."""
+        `esize` bytes; the page id widened to 64 bits."""
         j = cutlass.min(cutlass.max(Uint32(j), first), last)
         page = Int64(Uint32(pt_row[j // self.page]))
         return k_base + page * k_sp * esize + Int64(j % self.page) * k_so * esize + ch * 16
@@ -612,11 +614,18 @@ class MlaSplitKernel:
         and every producer thread arrives on the stage's full mbarrier (128 arrivals). One
         cp.async group is committed per iteration (empty where no tile is loaded), so wait_group(FP8_LAG - 1)
         always means: this thread's chunks of tile it - FP8_LAG have landed. Keys outside [kv_start, length)
-        copy the nearest visible one, as _cp_async_tile."""
+        copy the nearest visible one, as _cp_async_tile.
+
+        Each thread copies and widens whole chunks of its own key rows (`_fp8_chunk`), so it needs one page id
+        per row and tile; the ids of tile it + 1 are read right after tile it's copies are issued and used one
+        iteration later (`_fp8_page_ids`), so no copy waits on a page-table read."""
         BN = const_expr(self.tile_n)
         NS = const_expr(self.stages)
-        loads = dict(tidx=tidx, b=b, start=start, length=length, k_ptr=k_ptr, pt_ptr=pt_ptr, k_sp=k_sp, k_so=k_so,
-                     pt_sb=pt_sb, num_pages=num_pages, ring=ring)
+        pt_row = PageRow(pt_ptr, pt_sb, b, num_pages)
+        keys = (Uint32(start), Uint32(length - 1))
+        ids = cute.make_rmem_tensor((BN // 32,), Int32)
+        if n_tiles > 0:
+            self._fp8_page_ids(tidx, pt_row, keys, s_lo, ids)
         for it in cutlass.range(n_tiles + FP8_LAG, unroll=1):
             if it >= FP8_LAG:
                 done = (it - FP8_LAG) % NS
@@ -628,51 +637,64 @@ class MlaSplitKernel:
                 stage = it % NS
                 if it >= NS:
                     cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), release_phase(it, NS))
-                self._stage_fp8(loads, s_lo + it * BN, stage)
+                self._stage_fp8(tidx, pt_row, keys, ids, k_ptr, k_sp, k_so, s_lo + it * BN, stage, ring)
+                if it + 1 < n_tiles:
+                    self._fp8_page_ids(tidx, pt_row, keys, s_lo + (it + 1) * BN, ids)
             cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def _stage_fp8(self, loads: dict, j0: Int32, stage: Int32):
+    def _fp8_key(self, tidx: Int32, keys: tuple, j0: Int32, k: cutlass.Constexpr):
+        """The key this thread's row k of the tile at j0 copies: key j0 + row, clamped to the visible keys
+        [kv_start, length - 1] (`keys`), so a key outside copies the nearest visible one."""
+        row, _ = _fp8_chunk(tidx, k * CHUNKS8 // 4)
+        return cutlass.min(cutlass.max(Uint32(j0 + row), keys[0]), keys[1])
+
+    @cute.jit
+    def _fp8_page_ids(self, tidx: Int32, pt_row, keys: tuple, j0: Int32, ids: cute.Tensor):
+        """The page-table entries of this thread's rows of the tile at j0, as read: nothing uses them here, so the
+        reads stay in flight until `_stage_fp8` clamps them into the cache (PageRow's bound) one iteration later."""
+        for k in cutlass.range_constexpr(self.tile_n // 32):
+            ids[k] = Int32(pt_row.ids[self._fp8_key(tidx, keys, j0, k) // self.page])
+
+    @cute.jit
+    def _stage_fp8(self, tidx: Int32, pt_row, keys: tuple, ids: cute.Tensor, k_ptr: cute.Pointer, k_sp: Int64,
+                   k_so: Int64, j0: Int32, stage: Int32, ring: cute.Pointer):
         """Keys j0 .. j0 + TN of the float8 cache, as stored (TN x 576 bytes, rows contiguous), into the upper
-        half of ring stage `stage`: 16-byte chunk e (row e // 36, chunk e % 36; e = tid + 128 i), one cp.async
-        each."""
-        BN = const_expr(self.tile_n)
+        half of ring stage `stage`: this thread's chunks (`_fp8_chunk`), one cp.async each, from the rows'
+        page ids `ids` (`_fp8_page_ids`), clamped into the cache here and widened to 64 bits."""
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Uint8,
                                    num_bits_per_copy=128)
-        pt_row = PageRow(loads["pt_ptr"], loads["pt_sb"], loads["b"], loads["num_pages"])
-        dst = _fp8_half(loads["ring"], BN, self.stages, Uint8)
-        first = Uint32(loads["start"])
-        last = Uint32(loads["length"] - 1)
-        k_base = loads["k_ptr"].toint()
-        for i in cutlass.range(BN * CHUNKS8 // 128, unroll=3):
-            e = loads["tidx"] + i * 128
-            row = e // CHUNKS8
-            ch = e % CHUNKS8
-            addr = self._key_chunk(pt_row, k_base, loads["k_sp"], loads["k_so"], first, last, j0 + row, ch, 1)
-            src = cute.make_tensor(cute.make_ptr(Uint8, addr, cute.AddressSpace.gmem, assumed_align=16),
-                                   cute.make_layout((16,)))
-            cute.copy(atom, src, dst[stage, e, None])
+        dst = _fp8_half(ring, self.tile_n, self.stages, Uint8)
+        k_base = k_ptr.toint()
+        for k in cutlass.range_constexpr(self.tile_n // 32):
+            page = Int64(cutlass.min(cutlass.max(ids[k], Int32(0)), pt_row.last))
+            j = self._fp8_key(tidx, keys, j0, k)
+            row_addr = k_base + page * k_sp + Int64(j % self.page) * k_so
+            for i in cutlass.range_constexpr(CHUNKS8 // 4):
+                row, ch = _fp8_chunk(tidx, k * CHUNKS8 // 4 + i)
+                src = cute.make_tensor(cute.make_ptr(Uint8, row_addr + ch * 16, cute.AddressSpace.gmem,
+                                                     assumed_align=16), cute.make_layout((16,)))
+                cute.copy(atom, src, dst[stage, row * CHUNKS8 + ch, None])
 
     @cute.jit
     def _widen_fp8(self, tidx: Int32, stage: Int32, ring: cute.Pointer):
         """Ring stage `stage`'s float8 tile (its upper half: `_stage_fp8`) -> fp16 in place. Each thread reads the
-        chunks it copied into registers; after the producer's barrier (the fp16 rows overwrite other threads'
-        float8 chunks) it writes each chunk's 16 values (two cvt.rn.f16x2.e4m3x2 per 32-bit word) as the row's
-        16-bit chunks 2c and 2c + 1, at their swizzled places."""
+        chunks it copied (`_fp8_chunk`) into registers; after the producer's barrier (the fp16 rows overwrite
+        other threads' float8 chunks) it writes each chunk's 16 values (two cvt.rn.f16x2.e4m3x2 per 32-bit word)
+        as the row's 16-bit chunks 2c and 2c + 1, at their swizzled places."""
         BN = const_expr(self.tile_n)
         PER = const_expr(BN * CHUNKS8 // 128)  # chunks per thread
         src = _fp8_half(ring, BN, self.stages, Uint32)
         wK = _chunks_view(cute.recast_ptr(ring, dtype=Uint32), BN, self.stages, per_chunk=4)
         x = cute.make_rmem_tensor((PER, 4), Uint32)
         for i in cutlass.range_constexpr(PER):
-            cute.autovec_copy(src[stage, tidx + i * 128, None], x[i, None])
+            row, ch = _fp8_chunk(tidx, i)
+            cute.autovec_copy(src[stage, row * CHUNKS8 + ch, None], x[i, None])
         cute.arch.barrier(barrier_id=PRODUCER_BAR, number_of_threads=128)
         lo = cute.make_rmem_tensor((4,), Uint32)
         hi = cute.make_rmem_tensor((4,), Uint32)
         for i in cutlass.range_constexpr(PER):
-            e = tidx + i * 128
-            row = e // CHUNKS8
-            ch = e % CHUNKS8
+            row, ch = _fp8_chunk(tidx, i)
             for k in cutlass.range_constexpr(2):
                 lo[2 * k], lo[2 * k + 1] = e4m3x4_to_f16x4(x[i, k])
                 hi[2 * k], hi[2 * k + 1] = e4m3x4_to_f16x4(x[i, 2 + k])
@@ -717,6 +739,16 @@ def _fp8_half(ring, rows: int, stages: int, dtype):
     stage = rows * D * 2 // (dtype.width // 8)  # a 16-bit stage, in `dtype` elements
     return cute.make_tensor(cute.recast_ptr(ring + rows * D // 2, dtype=dtype),
                             cute.make_layout((stages, rows * CHUNKS8, per), stride=(stage, per, 1)))
+
+
+def _fp8_chunk(tidx, i: int):
+    """(row, chunk) of a float8 tile that producer thread `tidx` copies and widens as its i-th chunk: four threads
+    per key row (rows tidx // 4 + 32 k, k = i // 9), each every fourth of the row's 36 16-byte chunks (tidx % 4
+    + 4 (i % 9)). A warp's copy i reads 8 rows x 64 contiguous bytes; in shared memory each quarter warp's 16-byte
+    accesses fall in two rows whose bytes take disjoint banks (float8 rows 576 bytes apart, fp16 chunk positions
+    XOR-ed by the row)."""
+    per_row = CHUNKS8 // 4
+    return tidx // 4 + 32 * (i // per_row), tidx % 4 + 4 * (i % per_row)
 
 
 def _chunks_view(ptr, rows: int, stages: int, per_chunk: int = 8):
