@@ -2,7 +2,9 @@
 
 A work item is BM = 128 consecutive new tokens of one request and one query head; items are ordered as the
 Triton extend kernel's grid (Hq, tiles) (same tile map, same three key ranges, same masks). The kernel is
-persistent: min(items, SMs) CTAs of three warpgroups (one CTA fits an SM), CTA c taking items c, c + CTAs, ...
+persistent: min(items, SMs) CTAs of three warpgroups (one CTA fits an SM), CTA c taking one item per round of
+CTAs items, in snake order (`_item`: round r's items run forward for even r and backward for odd r, so the CTA
+that takes a round's longest item takes the next round's shortest; a partial last round runs forward).
 The K/V ring, its barrier phases and the consumers' GEMM turns run on across a CTA's items, so the producer
 loads the next item's first tiles while the consumers finish the last one, and each consumer warpgroup
 issues its next Q rows as soon as its last S = Q K^T is done (before its last P V and its epilogue):
@@ -55,7 +57,8 @@ rows.
 
 What limits it (benchmarks/results/h200.md, "CuTe DSL extend" and "Session 33"): 423-572 TFLOP/s at D 128,
 page 16, with TMA; the short prefills keep a cost per item (its first S and last P V not overlapped, its Q
-wait), and the static item order leaves up to 3 % of imbalance between CTAs. Before TMA (405-461), Nsight
+wait), and the static item order leaves some imbalance between CTAs (the plain order c, c + CTAs, ... computes to
+up to 3.1 % over the mean at 1x16384 and 4x4096, the snake order to 0.1-0.3 %). Before TMA (405-461), Nsight
 Compute had each consumer warpgroup spending about half its time in the softmax, most of it issuing MUFU.EX2
 (the SFU is shared with the other warpgroup's softmax on the same SM sub-partition).
 """
@@ -123,6 +126,17 @@ class ExtendKernel:
             k_pages, tma_k, m_k, tma_v, m_v,
         ).launch(grid=(self.ctas, 1, 1), block=(THREADS, 1, 1), smem=self.smem_bytes, stream=stream,
                  min_blocks_per_mp=1)
+
+    @cute.jit
+    def _item(self, k: Int32, cta: Int32):
+        """The work item CTA `cta` takes in its round r = k // CTAs (k = cta + r x CTAs: the CTA's items in grid
+        order): round r holds items r x CTAs .. r x CTAs + CTAs - 1, taken in CTA order for even r and in reverse
+        for odd r (snake order: with items ordered longest first, the CTAs that took a round's longer items take
+        the next round's shorter ones). A last round with fewer items than CTAs goes in CTA order, so every CTA
+        takes the items of the grid order's count, and k past the items stays past them."""
+        r = k // self.ctas
+        flip = (r % 2 == 1) & (r != self.items // self.ctas)
+        return k + Int32(flip) * (self.ctas - 1 - 2 * cta)
 
     @cute.jit
     def _tile_map(self, cu_ptr: cute.Pointer, t: Int32):
@@ -250,10 +264,10 @@ class ExtendKernel:
         cute.arch.barrier()
 
         lse_rows = cute.make_tensor(lse_ptr, cute.make_layout((1 << 30,)))
-        # Persistent: CTA `cta` takes the work items cta, cta + ctas, ... (item = hq + Hq x tile, the order of
-        # the grid it replaces). The ring runs on across items: `done` counts the tiles this CTA's producer
-        # loaded (and its consumers used) for earlier items, so tile `it` of an item is ring tile done + it, in
-        # stage (done + it) % NS. The producer and the consumers walk the same items and compute the same key
+        # Persistent: CTA `cta` takes one work item per round, `_item(k, cta)` for k = cta, cta + ctas, ... (item =
+        # hq + Hq x tile, the order of the grid it replaces). The ring runs on across items: `done` counts the
+        # tiles this CTA's producer loaded (and its consumers used) for earlier items, so tile `it` of an item is
+        # ring tile done + it, in stage (done + it) % NS. The producer and the consumers walk the same items and compute the same key
         # ranges, so their tile counts agree; the producer runs ahead into the next item while the consumers
         # finish the last one (epilogue, next Q).
         if wg == 0:
@@ -263,7 +277,8 @@ class ExtendKernel:
                     cpasync.prefetch_descriptor(tma_k)
                     cpasync.prefetch_descriptor(tma_v)
             done = Int32(0)
-            for item in cutlass.range(cta, self.items, self.ctas, unroll=1):
+            for k in cutlass.range(cta, self.items, self.ctas, unroll=1):
+                item = self._item(k, cta)
                 hq = item % self.hq
                 b, mt, n_b, row0, pad_from = self._tile_map(cu_ptr, item // self.hq)
                 if pad_from < 0:
@@ -299,7 +314,8 @@ class ExtendKernel:
                 self._pass_turn(1)
             done = Int32(0)
             q_pending = self._issue_q(q_ptr, cu_ptr, cta, q_sb, q_ss, q_sh, ctid, wgc, wQ)  # the first item's Q
-            for item in cutlass.range(cta, self.items, self.ctas, unroll=1):
+            for k in cutlass.range(cta, self.items, self.ctas, unroll=1):
+                item = self._item(k, cta)
                 hq = item % self.hq
                 h = hq // self.g
                 b, mt, n_b, row0, pad_from = self._tile_map(cu_ptr, item // self.hq)
@@ -364,7 +380,8 @@ class ExtendKernel:
                     # no product reads this warpgroup's Q rows any more (its last S = Q K^T is done): the next
                     # item's Q goes in while the last P V and the epilogue run
                     cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
-                    q_pending = self._issue_q(q_ptr, cu_ptr, item + self.ctas, q_sb, q_ss, q_sh, ctid, wgc, wQ)
+                    nxt = self._item(k + self.ctas, cta)  # this CTA's next item (past the items after its last)
+                    q_pending = self._issue_q(q_ptr, cu_ptr, nxt, q_sb, q_ss, q_sh, ctid, wgc, wQ)
                     if n_tiles > 0:
                         cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, last), stage_phase(g_last, NS))
                         cute.arch.fence_proxy("async.shared", space="cta")
