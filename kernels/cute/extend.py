@@ -267,9 +267,9 @@ class ExtendKernel:
         # Persistent: CTA `cta` takes one work item per round, `_item(k, cta)` for k = cta, cta + ctas, ... (item =
         # hq + Hq x tile, the order of the grid it replaces). The ring runs on across items: `done` counts the
         # tiles this CTA's producer loaded (and its consumers used) for earlier items, so tile `it` of an item is
-        # ring tile done + it, in stage (done + it) % NS. The producer and the consumers walk the same items and compute the same key
-        # ranges, so their tile counts agree; the producer runs ahead into the next item while the consumers
-        # finish the last one (epilogue, next Q).
+        # ring tile done + it, in stage (done + it) % NS. The producer and the consumers walk the same items and
+        # compute the same key ranges, so their tile counts agree; the producer runs ahead into the next item while
+        # the consumers finish the last one (epilogue, next Q).
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if const_expr(self.box != 0):
