@@ -73,6 +73,7 @@ from b12x_inductor.kernels.cute import MLA_DV as DV
 from b12x_inductor.kernels.cute import mla_geometry, tma, tma_box
 from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
                                                live_range, release_phase, scales, split_keys, stage_phase)
+from b12x_inductor.kernels.cute.plan import MLA_FP8_LAG as FP8_LAG  # float8 tiles loaded ahead of the one widened
 from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, pack2
 from b12x_inductor.kernels.cute.softmax import online_softmax
 
@@ -93,7 +94,6 @@ OWN_BAR = 5  # 5, 6: consumer c's own P writes are complete (its 128 threads)
 Q_BAR = 7  # the Q tile is in shared memory (both consumers)
 SUM_BAR = 8  # the partial row sums are exchanged (both consumers)
 PRODUCER_BAR = 9  # float8 cache: the producer's 128 threads hold a tile's float8 chunks, which widening overwrites
-FP8_LAG = 2  # float8 cache: tiles loaded ahead of the one being widened (2 x 18 KB in flight per SM)
 RESCALE_LOG2 = 8.0  # the running max moves only by more than 2^8 (online_softmax): O is rarely rescaled
 
 

@@ -30,6 +30,7 @@ SEESAW_MIN_SPLIT_KEYS = 1024  # a split's keys; fewer (H128 1x32768: 512) and ml
 EXTEND_TILES = {64: (128, 4), 128: (128, 3), 256: (64, 2)}
 MLA_TILE = dict(block_m=64, block_n=32, num_stages=4, num_warps=12)  # mla.py: 64 rows, 4 stages of 32 keys
 MLA_SPLITS = dict(programs_per_sm=1, max_splits=128)  # one CTA fits an SM (223-226 KB of shared memory)
+MLA_FP8_LAG = 2  # mla.py, float8 cache: tiles in flight while a third is widened, so at least 3 ring stages
 
 
 def plan(problem: Problem, **tiles) -> Plan:
@@ -41,10 +42,11 @@ def plan(problem: Problem, **tiles) -> Plan:
         raise ValueError("paged_attention: the cute family's MLA kernel reads V from K's tiles, its other kernels "
                          f"load V themselves; v_from_k={tiles['v_from_k']} is the Triton family's")
     out = with_tiles(problem, _plan(problem), tiles, always_split=not mla)
-    if mla and problem.kv_dtype == FP8 and (out.num_warps != MLA_TILE["num_warps"] or out.num_stages < 3):
+    if mla and problem.kv_dtype == FP8 and (out.num_warps != MLA_TILE["num_warps"]
+                                            or out.num_stages <= MLA_FP8_LAG):
         raise ValueError("paged_attention: the cute family's MLA kernel reads a float8 cache with mla.py "
-                         "(num_warps=12) and at least 3 stages (2 tiles load while a third is widened); got "
-                         f"num_stages={out.num_stages}, num_warps={out.num_warps}")
+                         f"(num_warps=12) and at least {MLA_FP8_LAG + 1} stages ({MLA_FP8_LAG} tiles load while "
+                         f"another is widened); got num_stages={out.num_stages}, num_warps={out.num_warps}")
     if mla and out.num_warps == MLA_SEESAW_TILE["num_warps"]:
         from b12x_inductor.kernels.cute import tma_box
 
