@@ -55,8 +55,8 @@ Packed q: the items are fixed by the capacity (cdiv(T, BM) + B tiles a head); ea
 request on the device from cu_seqlens_q, and the items left over write zeros and lse = -inf into the padding
 rows.
 
-What limits it (benchmarks/results/h200.md, "CuTe DSL extend" and "Session 33"): 423-572 TFLOP/s at D 128,
-page 16, with TMA; the short prefills keep a cost per item (its first S and last P V not overlapped, its Q
+What limits it (benchmarks/results/h200.md, "CuTe DSL extend", "Session 33" and "Session 35"): 419-593 TFLOP/s at
+D 128, page 16, with TMA; the short prefills keep a cost per item (its first S and last P V not overlapped, its Q
 wait), and the static item order leaves some imbalance between CTAs (the plain order c, c + CTAs, ... computes to
 up to 3.1 % over the mean at 1x16384 and 4x4096, the snake order to 0.1-0.3 %). Before TMA (405-461), Nsight
 Compute had each consumer warpgroup spending about half its time in the softmax, most of it issuing MUFU.EX2
