@@ -581,28 +581,25 @@ class MlaSplitKernel:
                                    num_bits_per_copy=128)
         pt_row = PageRow(pt_ptr, pt_sb, b, num_pages)
         wK = _chunks_view(ring, BN, NS)
-        first = Uint32(start)
-        last = Uint32(length - 1)
+        keys = (Uint32(start), Uint32(length - 1))
         k_base = k_ptr.toint()
         for i in cutlass.range(BN * CHUNKS // 128, unroll=4):
             e = tidx + i * 128
             row = e // CHUNKS
             ch = e % CHUNKS
-            addr = self._key_chunk(pt_row, k_base, k_sp, k_so, first, last, j0 + row, ch, 2)
+            j = _nearest_visible(j0 + row, keys)
+            addr = self._key_row(k_base, Int64(Uint32(pt_row[j // self.page])), j, k_sp, k_so, 2) + ch * 16
             src = cute.make_tensor(cute.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=16),
                                    cute.make_layout((8,)))
             cute.copy(atom, src, _chunk(wK[stage, None, None, None, None, None], row, ch))
         cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier(mbar, NS, 0, stage))
 
     @cute.jit
-    def _key_chunk(self, pt_row, k_base: Int64, k_sp: Int64, k_so: Int64, first: Uint32, last: Uint32,
-                   j: Int32, ch: Int32, esize: cutlass.Constexpr):
-        """The global address of 16-byte chunk `ch` of key j (clamped to the visible keys [first, last], so a key
-        outside copies the nearest visible one) of the cache at k_base, page and slot strides in elements of
-        `esize` bytes; the page id widened to 64 bits."""
-        j = cutlass.min(cutlass.max(Uint32(j), first), last)
-        page = Int64(Uint32(pt_row[j // self.page]))
-        return k_base + page * k_sp * esize + Int64(j % self.page) * k_so * esize + ch * 16
+    def _key_row(self, k_base: Int64, page: Int64, j: Uint32, k_sp: Int64, k_so: Int64, esize: cutlass.Constexpr):
+        """The global address of key j's row, in page `page` (an id clamped into the cache, 64 bits), of the cache
+        at k_base with page and slot strides in elements of `esize` bytes. Both cp.async gathers' (_cp_async_tile,
+        _stage_fp8)."""
+        return k_base + page * k_sp * esize + Int64(j % self.page) * k_so * esize
 
     @cute.jit
     def _produce_fp8(self, tidx: Int32, b: Int32, s_lo: Int32, start: Int32, length: Int32, n_tiles: Int32,
@@ -647,7 +644,7 @@ class MlaSplitKernel:
         """The key this thread's row k of the tile at j0 copies: key j0 + row, clamped to the visible keys
         [kv_start, length - 1] (`keys`), so a key outside copies the nearest visible one."""
         row, _ = _fp8_chunk(tidx, k * CHUNKS8 // 4)
-        return cutlass.min(cutlass.max(Uint32(j0 + row), keys[0]), keys[1])
+        return _nearest_visible(j0 + row, keys)
 
     @cute.jit
     def _fp8_page_ids(self, tidx: Int32, pt_row, keys: tuple, j0: Int32, ids: cute.Tensor):
@@ -669,7 +666,7 @@ class MlaSplitKernel:
         for k in cutlass.range_constexpr(self.tile_n // 32):
             page = Int64(cutlass.min(cutlass.max(ids[k], Int32(0)), pt_row.last))
             j = self._fp8_key(tidx, keys, j0, k)
-            row_addr = k_base + page * k_sp + Int64(j % self.page) * k_so
+            row_addr = self._key_row(k_base, page, j, k_sp, k_so, 1)
             for i in cutlass.range_constexpr(CHUNKS8 // 4):
                 row, ch = _fp8_chunk(tidx, k * CHUNKS8 // 4 + i)
                 src = cute.make_tensor(cute.make_ptr(Uint8, row_addr + ch * 16, cute.AddressSpace.gmem,
@@ -739,6 +736,13 @@ def _fp8_half(ring, rows: int, stages: int, dtype):
     stage = rows * D * 2 // (dtype.width // 8)  # a 16-bit stage, in `dtype` elements
     return cute.make_tensor(cute.recast_ptr(ring + rows * D // 2, dtype=dtype),
                             cute.make_layout((stages, rows * CHUNKS8, per), stride=(stage, per, 1)))
+
+
+@cute.jit
+def _nearest_visible(j: Int32, keys: tuple):
+    """Key j clamped to the visible keys [kv_start, length - 1] (`keys`, as Uint32): the key a cp.async gather
+    copies for key j, so a key outside copies the nearest visible one."""
+    return cutlass.min(cutlass.max(Uint32(j), keys[0]), keys[1])
 
 
 def _fp8_chunk(tidx, i: int):
