@@ -100,7 +100,8 @@ def measured_faster(problem: Problem) -> bool:
     D 256: "Session 33"; the float8 latent cache: "Session 34" and "Session 35"): extend, wherever the family
     expresses it (`supports`); absorbed MLA decode/verify (mla.py and mla_seesaw.py with a 16-bit cache; mla.py
     with a float8 one, 1.3-1.5x the Triton kernel at H 16 and 2.7-2.9x at H 128) with pages whose tiles go by TMA
-    (the pages of 64 keys it was measured with; pages of 1 to 7 keys and others without a box stay on Triton);
+    (the pages of 64 keys it was measured with; pages of 1 to 7 keys and others without a box stay on Triton,
+    unmeasured);
     and decode from a float8 cache with D = 128 and at most 4 query heads per KV head. Other bf16 decode and
     verify stay on Triton (whose products run on tensor cores), as do the decode configurations never measured
     (other head dims, larger groups)."""
