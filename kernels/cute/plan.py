@@ -101,10 +101,9 @@ def measured_faster(problem: Problem) -> bool:
     expresses it (`supports`); absorbed MLA decode/verify (mla.py and mla_seesaw.py with a 16-bit cache; mla.py
     with a float8 one, 1.3-1.5x the Triton kernel at H 16 and 2.7-2.9x at H 128) with pages whose tiles go by TMA
     (the pages of 64 keys it was measured with; pages of 1 to 7 keys and others without a box stay on Triton,
-    unmeasured);
-    and decode from a float8 cache with D = 128 and at most 4 query heads per KV head. Other bf16 decode and
-    verify stay on Triton (whose products run on tensor cores), as do the decode configurations never measured
-    (other head dims, larger groups)."""
+    unmeasured); and decode from a float8 cache with D = 128 and at most 4 query heads per KV head. Other bf16
+    decode and verify stay on Triton (whose products run on tensor cores), as do the decode configurations never
+    measured (other head dims, larger groups)."""
     if problem.mode == "extend":
         return True
     if problem.v_head_dim != problem.head_dim:  # MLA (mla.py): measured with pages of 64 keys (TMA boxes)
