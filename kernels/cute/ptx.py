@@ -5,6 +5,7 @@ bindings (`cutlass._mlir`). Each helper is a `dsl_user_op` that emits one instru
 - `pack2`: cvt.rn.{bf16x2,f16x2}.f32 (two fp32 into one register)
 - `e4m3x2_to_f16x2`: cvt.rn.f16x2.e4m3x2 (two float8_e4m3 into two fp16, sm89+)
 - `e4m3x4_to_f16x4`: the same for the two halves of a 32-bit word (a mov and two cvt)
+- `prmt`: prmt.b32 (four bytes picked from two words)
 """
 
 from __future__ import annotations
@@ -60,3 +61,13 @@ def e4m3x4_to_f16x4(w, *, loc=None, ip=None):
         "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.rn.f16x2.e4m3x2 $0, lo;\ncvt.rn.f16x2.e4m3x2 $1, hi;\n}",
         "=r,=r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return [Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
+
+
+@dsl_user_op
+def prmt(a, b, sel: int, *, loc=None, ip=None):
+    """prmt.b32: the four bytes `sel` picks (one hex digit each, lowest first) from the eight of a (0-3) and b
+    (4-7). 0x5140 interleaves the low halves of a and b byte by byte, 0x7362 their high halves."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+        f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
