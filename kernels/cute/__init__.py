@@ -1,7 +1,8 @@
 """The CuTe DSL kernel family (Hopper): decode and verify on the CUDA cores (decode.py) or the tensor cores
 (decode_mma.py); extend warp-specialized with wgmma (extend.py); absorbed-MLA decode and verify (D 576, Dv 512,
-V a view of K) with wgmma, warp-specialized over a ring of 32-key tiles (mla.py) or two warpgroups seesawing
-over two 64-key tiles (mla_seesaw.py). `FAMILY` is its KernelFamily (kernels/__init__.py); its plans and where
+V a view of K) with wgmma, warp-specialized over a ring of 32-key tiles (mla.py), two warpgroups seesawing
+over two 64-key tiles (mla_seesaw.py), or, for at most 16 query rows a request, with the products transposed
+(keys as the wgmma's M) and a float8 cache widened in registers (mla_narrow.py). `FAMILY` is its KernelFamily (kernels/__init__.py); its plans and where
 select_plan prefers it are in plan.py.
 
 Optional: it needs nvidia-cutlass-dsl (`pip install b12x-inductor[cute]`); without it `available()` is False
@@ -35,6 +36,7 @@ MAX_ROWS = 16  # query rows (S x Hq / Hkv) per CTA: the per-thread accumulators 
 KEYS_PER_THREAD = 2  # score phase: keys per thread (each q read serves both)
 MMA_M = 16  # a plan's block_m: 16 = the tensor-core kernel (one m16 tile of query rows), 1 = the CUDA-core one
 MLA_BLOCK_M = 64  # mla.py: query rows per CTA (both consumer warpgroups take all 64)
+MLA_NARROW_ROWS = 16  # mla_narrow.py: query rows per CTA (the wgmma's N), at most a request's S x H
 MLA_D, MLA_DV = 576, 512  # mla.py: the latent's key width (512 + 64 rope) and value width
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90 (a kernel's is its struct's size: storage.py)
 
@@ -174,6 +176,23 @@ def mla_geometry(*, tile_n: int, stages: int) -> dict | None:
     return dict(tile_n=tile_n, stages=stages, storage=storage, smem_bytes=smem_bytes)
 
 
+def mla_narrow_geometry(*, fp8: bool, stages: int) -> dict | None:
+    """The narrow MLA kernel's shared memory (mla_narrow.py), or None where it does not fit: `stages` tiles of
+    64 keys (16-bit rows of 576, or float8 rows 608 bytes apart), the Q tile (16 x 576, 16-bit) and two P^T
+    tiles (`storage`: storage.mla_narrow_storage; `smem_bytes` its size; `tile_bytes` a stage's)."""
+    from .mla_narrow import FP8_ROW, ROWS, STAGE_ROW, TILE_N
+    from .storage import mla_narrow_storage
+
+    tile_bytes = TILE_N * (FP8_ROW if fp8 else MLA_D * 2)
+    if stages < 2 or stages * tile_bytes < ROWS * STAGE_ROW * 4:  # the epilogue stages the output in the ring
+        return None
+    storage = mla_narrow_storage(rows=ROWS, d=MLA_D, tile_bytes=tile_bytes, stages=stages)
+    smem_bytes = storage.size_in_bytes()
+    if smem_bytes > SMEM_LIMIT:
+        return None
+    return dict(storage=storage, smem_bytes=smem_bytes, tile_bytes=tile_bytes)
+
+
 def mla_seesaw_geometry() -> dict:
     """The seesaw MLA kernel's shared memory (mla_seesaw.py): Q (64 x 576), two 64-key latent tiles and one P
     tile (`storage`: storage.mla_seesaw_storage; `smem_bytes` its size, within SMEM_LIMIT)."""
@@ -278,9 +297,15 @@ def _compiled_extend(key):
     return cute.compile(kernel, *_fake_args(ExtendKernel, pointers))
 
 
-def mla_kernel_class(num_warps: int):
-    """The MLA kernel a plan names by its warps: 8, the seesaw kernel (mla_seesaw.py: 64-key tiles, two
-    buffers, TMA only); 12, mla.py's (a producer warpgroup, a ring of 32-key tiles, cp.async where TMA cannot)."""
+def mla_kernel_class(num_warps: int, block_m: int = MLA_BLOCK_M):
+    """The MLA kernel a plan names by its rows and warps: 16 rows, the narrow kernel (mla_narrow.py: products
+    transposed, at most 16 query rows a request); 64 rows and 8 warps, the seesaw kernel (mla_seesaw.py: 64-key
+    tiles, two buffers, TMA only); 64 and 12, mla.py's (a producer warpgroup, a ring of 32-key tiles, cp.async
+    where TMA cannot)."""
+    if block_m == MLA_NARROW_ROWS:
+        from .mla_narrow import MlaNarrowKernel
+
+        return MlaNarrowKernel
     if num_warps == _plan.MLA_SEESAW_TILE["num_warps"]:
         from .mla_seesaw import MlaSeesawKernel
 
@@ -292,15 +317,15 @@ def mla_kernel_class(num_warps: int):
 
 @functools.cache
 def _compiled_mla(key):
-    """The compiled MLA split kernel (mla.py or mla_seesaw.py: `mla_kernel_class`) for one key (s, hq, page,
-    num_splits, block_n, stages, q dtype, causal, use_softcap, kv dtype, num_warps)."""
+    """The compiled MLA split kernel (mla.py, mla_seesaw.py or mla_narrow.py: `mla_kernel_class`) for one key
+    (s, hq, page, num_splits, block_n, stages, q dtype, causal, use_softcap, kv dtype, num_warps, block_m)."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import make_ptr
 
-    s, hq, page, splits, tile_n, stages, q_dtype, causal, use_softcap, kv_dtype, warps = key
+    s, hq, page, splits, tile_n, stages, q_dtype, causal, use_softcap, kv_dtype, warps, block_m = key
     qt, kt = _cutlass_dtype(q_dtype), _cutlass_dtype(kv_dtype)
-    cls = mla_kernel_class(warps)
+    cls = mla_kernel_class(warps, block_m)
     kernel = cls(s=s, hq=hq, page=page, num_splits=splits, tile_n=tile_n, stages=stages, q_dtype=qt,
                  causal=causal, use_softcap=use_softcap, kv_dtype=kt)
     gmem = cute.AddressSpace.gmem
@@ -318,7 +343,7 @@ def _compiled_mla(key):
 def _mla_key(shapes, plan: dict, options: dict) -> tuple:
     return (shapes["q_len"], shapes["hq"], shapes["page_size"], plan["num_splits"], plan["block_n"],
             plan["num_stages"], shapes["q_dtype"], bool(options["causal"]) and shapes["q_len"] > 1,
-            float(options["softcap"]) > 0, shapes["kv_dtype"], plan["num_warps"])
+            float(options["softcap"]) > 0, shapes["kv_dtype"], plan["num_warps"], plan["block_m"])
 
 
 def _extend_key(shapes, plan: dict, options: dict) -> tuple:
@@ -427,7 +452,7 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     if mode == "extend":
         _run_extend(tensors, out=out, lse=lse, options=options, plan=plan)
         return
-    if plan["block_m"] == MLA_BLOCK_M:
+    if plan["v_from_k"]:  # absorbed MLA (the family's only V read from K's tiles: plan.py)
         _run_mla(tensors, out=out, lse=lse, scratch=scratch, options=options, plan=plan)
         return
     from cuda.bindings.driver import CUstream
@@ -522,7 +547,7 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
     vds, vds_b, _, has_vds = _descale(tensors["v_descale"], lse)
     stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     with torch.cuda.device(q.device):
-        compiled(*_launch_args(mla_kernel_class(plan["num_warps"]), dict(
+        compiled(*_launch_args(mla_kernel_class(plan["num_warps"], plan["block_m"]), dict(
             q_ptr=_ptr(q, 16), qpe_ptr=_ptr(q_pe, 16), k_ptr=_ptr(k_cache, 16), pt_ptr=_ptr(pt, 4, torch.int32),
             seqlens_ptr=_ptr(tensors["cache_seqlens"], 4, torch.int32),
             kv_start_ptr=_ptr(kv_start if kv_start is not None else lse, 4, torch.int32),
@@ -547,7 +572,7 @@ def precompile(problem, plan, options) -> None:
     if plan.family != "cute" or problem.device_type != "cuda":
         return
     compile_kernel(problem, plan, options)
-    if plan.mode != "extend" and (plan.block_m != MLA_BLOCK_M or plan.num_splits > 1):
+    if plan.mode != "extend" and (not plan.v_from_k or plan.num_splits > 1):
         _precompile_merge(problem, plan.num_splits)
 
 
@@ -561,7 +586,7 @@ def compile_kernel(problem, plan, options):
                   batch=problem.batch, packed=problem.packed, sm_count=problem.sm_count)
     if plan.mode == "extend":
         return _compiled_extend(_extend_key(shapes, plan.constants(), options))
-    if plan.block_m == MLA_BLOCK_M:
+    if plan.v_from_k:
         return _compiled_mla(_mla_key(shapes, plan.constants(), options))
     return _compiled(_key(shapes, plan.constants(), options))
 
@@ -607,7 +632,7 @@ class CuteFamily:
         precompile(problem, plan, options)
 
     def run(self, call) -> None:
-        mla = call.plan.block_m == MLA_BLOCK_M and call.k_cache.shape[-1] == MLA_D and call.mode != "extend"
+        mla = call.plan.v_from_k and call.k_cache.shape[-1] == MLA_D and call.mode != "extend"
         if call.key_mask is not None or (call.v_cache.shape[-1] != call.k_cache.shape[-1] and not mla):
             raise ValueError("paged_attention: the cute family takes no key_mask and no value head dim apart from "
                              "the key's but absorbed MLA's (supports() refuses them; select_plan picks the Triton "
