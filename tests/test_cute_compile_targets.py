@@ -18,6 +18,7 @@ cute_dsl = pytest.importorskip("cutlass.cute")
 
 from b12x_inductor.kernels import Options  # noqa: E402
 from b12x_inductor.kernels import cute  # noqa: E402
+from b12x_inductor.kernels.cute.plan import mla_narrow_tile  # noqa: E402
 from b12x_inductor.plan import Problem, family_plan  # noqa: E402
 
 F8 = torch.float8_e4m3fn
@@ -53,6 +54,11 @@ def _cases():
         grid.append((dict(mla, q_len=q_len, num_q_heads=heads, page_size=page), tiles))  # mla(_seesaw).py
     for q_len, heads, page, q_dtype in ((1, 16, 64, torch.bfloat16), (4, 128, 1, torch.float16)):
         grid.append((dict(mla, q_len=q_len, num_q_heads=heads, page_size=page, q_dtype=q_dtype, kv_dtype=F8), {}))
+    for q_len, heads, page, q_dtype, kv_dtype in ((1, 16, 64, torch.bfloat16, torch.bfloat16),
+                                                   (2, 8, 1, torch.float16, torch.float16),
+                                                   (1, 16, 16, torch.bfloat16, F8)):  # mla_narrow.py
+        kw = dict(mla, q_len=q_len, num_q_heads=heads, page_size=page, q_dtype=q_dtype, kv_dtype=kv_dtype)
+        grid.append((kw, mla_narrow_tile(_problem(**kw))))
     cases = []
     for i, (kw, tiles) in enumerate(grid):
         p = _problem(**kw, kv_layout="HND" if i % 2 else "NHD")
@@ -72,7 +78,7 @@ def test_the_grid_reaches_every_kernel():
     modes = {(c[2].mode, c[2].block_m) for c in CASES}
     assert {("decode", 1), ("decode", 16), ("verify", 1), ("extend", 128)} <= modes, modes
     assert ("decode", 64) in modes and ("verify", 64) in modes  # mla.py, mla_seesaw.py
-    assert {(c[2].block_m, c[2].num_warps) for c in CASES if c[2].block_m == 64} == {(64, 8), (64, 12)}
+    assert {(c[2].block_m, c[2].num_warps) for c in CASES if c[2].v_from_k} == {(64, 8), (64, 12), (16, 12)}
     assert {c[1].page_size for c in CASES} == {1, 8, 16, 64, 128}  # cp.async only, TMA boxes of 8 to 64
 
 
@@ -84,7 +90,7 @@ def test_kernel_compiles_for_sm90a(name, problem, plan, options, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["decode", "verify_fp8_features", "extend_sinks", "packed_kv_start", "mla_decode",
-                                  "mla_verify_one_split", "mla_decode_q_pe"])
+                                  "mla_verify_one_split", "mla_decode_q_pe", "mla_decode_narrow_fp8"])
 def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     """`run` builds each launch by name from the kernel's `__call__` signature (`_abi`): every argument is
     there, in order, each scalar of its annotated type. The compiled kernel and the GPU are replaced by a
@@ -96,6 +102,7 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     from b12x_inductor import kernels, validate
     from b12x_inductor.kernels.cute.decode import SplitKernel
     from b12x_inductor.kernels.cute.extend import ExtendKernel
+    from b12x_inductor.kernels.cute.plan import mla_narrow_tile
     from b12x_inductor.kernels.triton import decode as triton_decode
     from tests.test_triton_kernels import make_inputs
 
@@ -113,7 +120,7 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
 
     monkeypatch.setattr(cute, "_compiled", lambda key: checking(SplitKernel))
     monkeypatch.setattr(cute, "_compiled_extend", lambda key: checking(ExtendKernel))
-    monkeypatch.setattr(cute, "_compiled_mla", lambda key: checking(cute.mla_kernel_class(key[-1])))
+    monkeypatch.setattr(cute, "_compiled_mla", lambda key: checking(cute.mla_kernel_class(*key[-2:])))
     monkeypatch.setattr(cute, "_check_aligned", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: mock.MagicMock(cuda_stream=0))
@@ -133,15 +140,17 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
           "extend_sinks": dict(q_len=40, sinks=True), "packed_kv_start": dict(packed=True, kv_start=True),
           "mla_decode": dict(mla, q_len=1, sinks=True, lens=[3000, 70]),
           "mla_verify_one_split": dict(mla, q_len=4, kv_start=True),
-          "mla_decode_q_pe": dict(mla, q_len=1, split_q=True, lens=[3000, 70])}[case]
+          "mla_decode_q_pe": dict(mla, q_len=1, split_q=True, lens=[3000, 70]),
+          "mla_decode_narrow_fp8": dict(mla, q_len=1, kv_dtype=F8, descale="b", lens=[3000, 70])}[case]
     t = make_inputs(**{**dict(d=128, hq=8, hkv=2, page_size=16, lens=[100, 70]), **kw})
     problem = validate.check_paged_attention(
         t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"], kv_layout="NHD",
         causal=True, scale=None, window_left=-1, kv_start=t["kv_start"], sinks=t["sinks"], softcap=0.0,
         k_descale=t["k_descale"], v_descale=t["v_descale"], q_pe=t["q_pe"], out=None)
     problem = dataclasses.replace(problem, device_type="cuda", capability=(9, 0), sm_count=132)
-    plan = family_plan(problem, "cute", **(dict(num_splits=1, block_n=64, num_stages=2, num_warps=8)
-                                           if case == "mla_verify_one_split" else {}))  # the seesaw kernel
+    tiles = {"mla_verify_one_split": dict(num_splits=1, block_n=64, num_stages=2, num_warps=8),  # the seesaw kernel
+             "mla_decode_narrow_fp8": mla_narrow_tile(problem)}.get(case, {})
+    plan = family_plan(problem, "cute", **tiles)
     q = t["q"]
     kernels.run(kernels.Call(
         **{k: t[k] for k in kernels.Call.INPUTS}, out=q.new_empty(q.shape[:-1] + t["v_cache"].shape[-1:]),
@@ -149,6 +158,7 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
         options=Options.of(problem.head_dim, kv_layout="NHD", causal=True, scale=None, window_left=-1, softcap=0.0),
         plan=plan))
     expected = {"mla_decode": ["MlaSplitKernel", "merge"], "mla_verify_one_split": ["MlaSeesawKernel"],
+                "mla_decode_narrow_fp8": ["MlaNarrowKernel", "merge"],
                 "mla_decode_q_pe": ["MlaSplitKernel", "merge"]}.get(
         case, ["ExtendKernel"] if plan.mode == "extend" else ["SplitKernel", "merge"])
     assert launched == expected

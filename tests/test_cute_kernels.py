@@ -495,10 +495,11 @@ MLA = dict(hkv=1, d=576, dv=512, v_view=True)
 
 def test_cute_mla_supports_and_plans():
     """The MLA kernels take absorbed MLA decode/verify with a 16-bit cache in q's dtype, V a view of K, no window;
-    their plans keep 64 rows per CTA (the seesaw kernel's two 64-key tiles or mla.py's 4 stages of 32 keys) and
-    write scratch only when they split."""
+    their plans keep 64 rows per CTA (the seesaw kernel's two 64-key tiles or mla.py's 4 stages of 32 keys), or
+    with a float8 cache and at most 16 rows a request the narrow kernel's 16, and write scratch only when they
+    split."""
     from b12x_inductor.kernels import cute
-    from b12x_inductor.kernels.cute import SMEM_LIMIT, mla_geometry
+    from b12x_inductor.kernels.cute import SMEM_LIMIT, mla_geometry, mla_narrow_geometry
     from b12x_inductor.plan import family_plan, split_scratch_bytes
 
     mla = dict(num_q_heads=128, num_kv_heads=1, head_dim=576, v_head_dim=512, v_in_k=True, page_size=64,
@@ -531,9 +532,27 @@ def test_cute_mla_supports_and_plans():
         family_plan(_problem(**{**mla, "page_size": 1}), "cute", block_n=64, num_stages=2, num_warps=8)
     with pytest.raises(ValueError, match="seesaw MLA kernel"):
         family_plan(_problem(**{**mla, "batch": 32}), "cute", block_n=32, num_stages=4)  # the seesaw's warps
-    for kw in (dict(batch=32), dict(batch=1, max_pages=512), dict(batch=64, num_q_heads=16), dict(page_size=1)):
-        plan = family_plan(_problem(**{**mla, **kw}, kv_dtype=F8), "cute")  # mla.py's ring, at every row count
-        assert (plan.block_m, (plan.block_n, plan.num_stages, plan.num_warps)) == (64, ring), (kw, plan)
+    # a float8 cache: the narrow kernel (mla_narrow.py) for 16 rows a request or fewer, at every page size;
+    # mla.py's ring above
+    narrow = (64, 5, 12)
+    for kw, tile in ((dict(batch=32), ring), (dict(batch=1, max_pages=512), ring), (dict(q_len=2, num_q_heads=16), ring),
+                     (dict(batch=64, num_q_heads=16), narrow), (dict(page_size=1, num_q_heads=16), narrow),
+                     (dict(q_len=2, num_q_heads=8), narrow), (dict(num_q_heads=4), narrow)):
+        plan = family_plan(_problem(**{**mla, **kw}, kv_dtype=F8), "cute")
+        assert ((plan.block_n, plan.num_stages, plan.num_warps)) == tile, (kw, plan)
+        assert plan.block_m == (16 if tile == narrow else 64) and plan.v_from_k, plan
+    # the narrow kernel on request, a 16-bit cache: 2 stages; more rows, other tiles or stages that do not fit raise
+    plan = family_plan(_problem(**{**mla, "num_q_heads": 16}), "cute", block_m=16, block_n=64, num_stages=2)
+    assert (plan.block_m, plan.block_n, plan.num_stages, plan.num_warps) == (16, 64, 2, 12), plan
+    for kw, tiles in ((dict(num_q_heads=32), dict(block_m=16, block_n=64, num_stages=2)),
+                      (dict(num_q_heads=16), dict(block_m=16, block_n=32, num_stages=2)),
+                      (dict(num_q_heads=16), dict(block_m=16, block_n=64, num_stages=3))):
+        with pytest.raises(ValueError, match="narrow MLA kernel"):
+            family_plan(_problem(**{**mla, **kw}), "cute", **tiles)
+    with pytest.raises(ValueError, match="narrow MLA kernel"):
+        family_plan(_problem(**{**mla, "num_q_heads": 16}, kv_dtype=F8), "cute", num_stages=6)
+    assert mla_narrow_geometry(fp8=True, stages=5)["smem_bytes"] <= SMEM_LIMIT
+    assert mla_narrow_geometry(fp8=True, stages=6) is None and mla_narrow_geometry(fp8=False, stages=3) is None
     for tiles in (dict(num_warps=8, block_n=64, num_stages=2), dict(num_stages=2)):  # seesaw; too few stages
         with pytest.raises(ValueError, match="float8 cache"):
             family_plan(_problem(**mla, kv_dtype=F8), "cute", **tiles)
@@ -576,13 +595,37 @@ MLA_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES
                                             kv_dtype=F8, dtype=torch.float16, descale="scalar", nan_unused=True), {}),
     ("mla_decode_h16_fp8_split_q_p16", dict(MLA, batch=2, hq=16, page_size=16, lens=[1000, 45], kv_dtype=F8,
                                             descale="bh", split_q=True, nan_unused=True), {}),
+    # at most 16 rows a request (the narrow kernel's): a 2-key request, kv_start, sinks and softcap with pages of
+    # one key (cp.async); 2 drafts of 8 heads (causal across the 16 columns) with pages of 128; 3 drafts of 4 heads
+    # (12 of the 16 columns) from a float8 cache and an fp16 q, with kv_start
+    ("mla_decode_h16_features_p1", dict(MLA, batch=3, hq=16, page_size=1, lens=[2, 45, 700], kv_start=True,
+                                        sinks=True, nan_unused=True), dict(softcap=20.0, scale=0.05)),
+    ("mla_verify_s2_h8_p128", dict(MLA, batch=2, q_len=2, hq=8, page_size=128, lens=[900, 3], nan_unused=True), {}),
+    ("mla_verify_s3_h4_fp8_fp16", dict(MLA, batch=2, q_len=3, hq=4, page_size=16, lens=[260, 64], kv_dtype=F8,
+                                       dtype=torch.float16, descale="scalar", kv_start=True, nan_unused=True), {}),
 ]
-# the plan (mla.py for these short requests: kernels/cute/plan.py's mla_plan); one split (the kernel writes out
-# and lse itself, sink folded in); 3 splits (uneven ranges); each kernel asked for: the seesaw kernel
-# (mla_seesaw.py, pages with 64-key TMA boxes only) and mla.py's ring of 32-key tiles
+# the plan (kernels/cute/plan.py's mla_plan); one split (the kernel writes out and lse itself, sink folded in);
+# 3 splits (uneven ranges); each kernel asked for: the seesaw kernel (mla_seesaw.py, pages with 64-key TMA boxes
+# only), mla.py's ring of 32-key tiles, and the narrow kernel (mla_narrow.py, at most 16 query rows a request;
+# its stages follow the cache: `_mla_overrides`), with 3 splits and with one
 MLA_VARIANTS = {"plan": {}, "one_split": dict(num_splits=1), "splits3": dict(num_splits=3),
                 "seesaw": dict(block_n=64, num_stages=2, num_warps=8),
-                "ring32": dict(block_n=32, num_stages=4, num_warps=12)}
+                "ring32": dict(block_n=32, num_stages=4, num_warps=12, block_m=64),
+                "narrow": dict(block_m=16, num_splits=3), "narrow_one_split": dict(block_m=16, num_splits=1)}
+
+
+def _mla_overrides(variant, kw):
+    """The variant's plan fields for a case, or None where its kernel cannot run the case (a skip)."""
+    from b12x_inductor.kernels.cute.plan import MLA_NARROW_FP8_STAGES, MLA_NARROW_TILE
+
+    over = dict(MLA_VARIANTS[variant])
+    if variant.startswith("narrow"):
+        if kw.get("q_len", 1) * kw["hq"] > MLA_NARROW_TILE["block_m"]:
+            return None
+        over = dict(MLA_NARROW_TILE, **over)
+        if kw.get("kv_dtype") == F8:
+            over["num_stages"] = MLA_NARROW_FP8_STAGES
+    return over
 
 
 @pytest.mark.gpu
@@ -595,35 +638,42 @@ def test_gpu_cute_mla_matches_reference(name, kw, options, variant):
     if variant == "seesaw" and not tma_box(page=kw["page_size"], tile_n=64):
         pytest.skip("the seesaw kernel loads by TMA only (pages of 8 to 256 keys that divide 64 or that 64 divides)")
     if variant == "seesaw" and kw.get("kv_dtype") == F8:
-        pytest.skip("a float8 cache runs on mla.py only (the plan's ring: ring32)")
+        pytest.skip("a float8 cache runs on mla.py or mla_narrow.py")
+    overrides = _mla_overrides(variant, kw)
+    if overrides is None:
+        pytest.skip("the narrow kernel takes at most 16 query rows a request")
     options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
     t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000)
-    out, lse, plan, _ = run_family(t, options, "cute", overrides=MLA_VARIANTS[variant])
+    out, lse, plan, _ = run_family(t, options, "cute", overrides=overrides)
     torch.cuda.synchronize()
-    assert plan.family == "cute" and plan.block_m == 64, plan
+    assert plan.family == "cute" and plan.block_m == overrides.get("block_m", plan.block_m), plan
     check_close(out, lse, *_reference(t, options), what=f"{name} {plan}")
 
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("variant", ["plan", "one_split", "seesaw"])
+@pytest.mark.parametrize("variant", ["plan", "one_split", "seesaw", "narrow", "narrow_one_split"])
 @pytest.mark.parametrize("q_len,heads,split_q,fp8", [(1, 128, False, False), (4, 16, False, False),
                                                     (1, 128, True, False), (4, 16, True, False), (1, 16, False, True),
-                                                    (4, 128, True, True)],
+                                                    (4, 128, True, True), (1, 16, True, False), (2, 8, True, True)],
                          ids=["decode_h128", "verify_h16", "decode_h128_split_q", "verify_h16_split_q",
-                              "decode_h16_fp8", "verify_h128_split_q_fp8"])
+                              "decode_h16_fp8", "verify_h128_split_q_fp8", "decode_h16_split_q",
+                              "verify_h8_split_q_fp8"])
 def test_gpu_cute_mla_cuda_graph_replay(q_len, heads, split_q, fp8, variant):
     """Capture once; poison the outputs, change lengths and page tables in place, replay, compare (split_q: the
     query as q and q_pe, read in place; fp8: a float8 cache with per-request descales)."""
     if fp8 and variant == "seesaw":
-        pytest.skip("a float8 cache runs on mla.py only")
+        pytest.skip("a float8 cache runs on mla.py or mla_narrow.py")
     kw = dict(MLA, batch=3, q_len=q_len, hq=heads, page_size=64, lens=[500, 260, 70], spare_pages=4,
               split_q=split_q, **(dict(kv_dtype=F8, descale="b") if fp8 else {}))
+    overrides = _mla_overrides(variant, kw)
+    if overrides is None:
+        pytest.skip("the narrow kernel takes at most 16 query rows a request")
     t = make_inputs(**kw, device="cuda", seed=13)
     options = dict(kv_layout="NHD")
-    out, lse, plan, call = run_family(t, options, "cute", overrides=MLA_VARIANTS[variant])
+    out, lse, plan, call = run_family(t, options, "cute", overrides=overrides)
     torch.cuda.synchronize()
-    assert plan.block_m == 64
+    assert plan.block_m == overrides.get("block_m", plan.block_m)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()

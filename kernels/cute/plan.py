@@ -8,9 +8,10 @@ query can see (Problem.kv_span). Extend: 128 query rows (two consumer warpgroups
 128-key tiles (64 at D 256), as many stages as shared memory holds (EXTEND_TILES, extend_geometry), persistent
 CTAs (one per SM). Absorbed MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per
 SM (MLA_SPLITS); the seesaw kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query rows or more
-per request with long splits (mla_plan), else mla.py (4 stages of 32 keys), which alone takes a float8 latent
-cache. The choices and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL kernels", "Session
-27", "Session 29", "Session 33" and "Session 34".
+per request with long splits (mla_plan), else mla.py (4 stages of 32 keys); a float8 latent cache on mla.py, or
+on the narrow kernel (mla_narrow.py, block_m 16: products transposed, 5 stages of 64 keys) where a request has
+at most 16 query rows. The choices and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL
+kernels", "Session 27", "Session 29", "Session 33", "Session 34" and "Session 36".
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ EXTEND_TILES = {64: (128, 4), 128: (128, 3), 256: (64, 2)}
 MLA_TILE = dict(block_m=64, block_n=32, num_stages=4, num_warps=12)  # mla.py: 64 rows, 4 stages of 32 keys
 MLA_SPLITS = dict(programs_per_sm=1, max_splits=128)  # one CTA fits an SM (223-226 KB of shared memory)
 MLA_FP8_LAG = 2  # mla.py, float8 cache: tiles in flight while a third is widened, so at least 3 ring stages
+# mla_narrow.py: at most 16 query rows a request (S x H), products transposed; 64-key tiles, 2 stages of 16-bit
+# rows or 5 of float8 ones (what shared memory holds beside Q and P)
+MLA_NARROW_TILE = dict(block_m=16, block_n=64, num_stages=2, num_warps=12)
+MLA_NARROW_FP8_STAGES = 5
 
 
 def plan(problem: Problem, **tiles) -> Plan:
@@ -42,6 +47,18 @@ def plan(problem: Problem, **tiles) -> Plan:
         raise ValueError("paged_attention: the cute family's MLA kernel reads V from K's tiles, its other kernels "
                          f"load V themselves; v_from_k={tiles['v_from_k']} is the Triton family's")
     out = with_tiles(problem, _plan(problem), tiles, always_split=not mla)
+    if mla and out.block_m == MLA_NARROW_TILE["block_m"]:
+        from b12x_inductor.kernels.cute import mla_narrow_geometry
+
+        rows = problem.q_len * problem.num_q_heads
+        if (rows > out.block_m or out.block_n != MLA_NARROW_TILE["block_n"] or out.num_warps != 12
+                or mla_narrow_geometry(fp8=problem.kv_dtype == FP8, stages=out.num_stages) is None):
+            raise ValueError("paged_attention: the cute family's narrow MLA kernel (block_m=16) takes at most 16 "
+                             "query rows a request (q_len x heads) in 64-key tiles with num_warps=12, and as many "
+                             "stages as its shared memory holds (2 for a 16-bit cache, 5 for float8); got "
+                             f"{rows} rows, block_n={out.block_n}, num_stages={out.num_stages}, "
+                             f"num_warps={out.num_warps}")
+        return out
     if mla and problem.kv_dtype == FP8 and (out.num_warps != MLA_TILE["num_warps"]
                                             or out.num_stages <= MLA_FP8_LAG):
         raise ValueError("paged_attention: the cute family's MLA kernel reads a float8 cache with mla.py "
@@ -75,13 +92,21 @@ def _plan(problem: Problem) -> Plan:
                 scratch_bytes=split_scratch_bytes(problem, splits, always=True))
 
 
+def mla_narrow_tile(problem: Problem) -> dict:
+    """The narrow MLA kernel's tile fields for the problem's cache (`tiles` of plan())."""
+    return dict(MLA_NARROW_TILE, **({"num_stages": MLA_NARROW_FP8_STAGES} if problem.kv_dtype == FP8 else {}))
+
+
 def mla_plan(problem: Problem) -> Plan:
     """MLA decode/verify: one CTA per (request, 64 query rows, split); splits bring the CTAs to about one per
     SM. The seesaw kernel (mla_seesaw.py) where it measured faster than mla.py (h200.md, session 29): a
     request's rows fill two row blocks or more (SEESAW_MIN_ROWS: bound by the tensor cores, not by bytes), each
     split spans SEESAW_MIN_SPLIT_KEYS keys or more, and its 64-key tiles go by TMA; mla.py elsewhere (and for
-    pages without a box, which it gathers with cp.async, and for a float8 cache, which its producer widens).
-    Both take 64 rows, so the split count is the same."""
+    pages without a box, which it gathers with cp.async). A float8 cache: the narrow kernel (mla_narrow.py, its
+    products transposed, K and V widened in registers) where a request has at most 16 query rows (1.25-1.5x
+    mla.py at H 16, h200.md, session 36), else mla.py, whose producer widens the loads. The narrow kernel's CTA
+    takes a request's rows as one 64-row block does, so the split count is the same. A 16-bit cache stays on the 64-row
+    kernels at 16 rows and fewer: the narrow kernel's two 64-key stages ran no faster there (session 36)."""
     from b12x_inductor.kernels.cute import tma_box
 
     rows = problem.q_len * problem.num_q_heads
@@ -91,15 +116,18 @@ def mla_plan(problem: Problem) -> Plan:
               and tma_box(page=problem.page_size, tile_n=MLA_SEESAW_TILE["block_n"]) != 0
               and problem.kv_dtype != FP8)  # a float8 cache: mla.py only, whose producer widens the loads
     tile = MLA_SEESAW_TILE if seesaw else MLA_TILE
+    if problem.kv_dtype == FP8 and rows <= MLA_NARROW_TILE["block_m"]:
+        tile = mla_narrow_tile(problem)
     return Plan(mode=problem.mode, family="cute", num_splits=splits, **tile, v_from_k=True,
                 scratch_bytes=split_scratch_bytes(problem, splits))  # one split writes out itself
 
 
 def measured_faster(problem: Problem) -> bool:
     """Where the CuTe family measured faster than Triton on the H200 (h200.md, "CuTe DSL kernels"; extend at
-    D 256: "Session 33"; the float8 latent cache: "Session 34" and "Session 35"): extend, wherever the family
-    expresses it (`supports`); absorbed MLA decode/verify (mla.py and mla_seesaw.py with a 16-bit cache; mla.py
-    with a float8 one, 1.3-1.5x the Triton kernel at H 16 and 2.7-2.9x at H 128) with pages whose tiles go by TMA
+    D 256: "Session 33"; the float8 latent cache: "Session 34" to "Session 36"): extend, wherever the family
+    expresses it (`supports`); absorbed MLA decode/verify (mla.py and mla_seesaw.py with a 16-bit cache; with a
+    float8 one mla.py, 2.7-2.9x the Triton kernel at H 128, and mla_narrow.py at H 16, 1.6-2.1x session 34's
+    Triton times) with pages whose tiles go by TMA
     (the pages of 64 keys it was measured with; pages of 1 to 7 keys and others without a box stay on Triton,
     unmeasured); and decode from a float8 cache with D = 128 and at most 4 query heads per KV head. Other bf16
     decode and verify stay on Triton (whose products run on tensor cores), as do the decode configurations never
