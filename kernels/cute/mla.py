@@ -634,7 +634,8 @@ class MlaSplitKernel:
                 stage = it % NS
                 if it >= NS:
                     cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), release_phase(it, NS))
-                self._stage_fp8(tidx, pt_row, keys, ids, k_ptr, k_sp, k_so, s_lo + it * BN, stage, ring)
+                self._stage_fp8(tidx, pt_row, keys, ids, k_ptr, k_sp, k_so, s_lo + it * BN,
+                                _fp8_rows(ring, BN, NS)[stage, None, None, None])
                 if it + 1 < n_tiles:
                     self._fp8_page_ids(tidx, pt_row, keys, s_lo + (it + 1) * BN, ids)
             cute.arch.cp_async_commit_group()
@@ -655,13 +656,13 @@ class MlaSplitKernel:
 
     @cute.jit
     def _stage_fp8(self, tidx: Int32, pt_row, keys: tuple, ids: cute.Tensor, k_ptr: cute.Pointer, k_sp: Int64,
-                   k_so: Int64, j0: Int32, stage: Int32, ring: cute.Pointer):
-        """Keys j0 .. j0 + TN of the float8 cache, as stored (TN x 576 bytes, rows contiguous), into the upper
-        half of ring stage `stage`: this thread's chunks (`_fp8_chunk`), one cp.async each, from the rows'
+                   k_so: Int64, j0: Int32, dst: cute.Tensor):
+        """Keys j0 .. j0 + TN of the float8 cache, as stored (576 bytes a key), into `dst` (key row, 16-byte chunk,
+        byte: a ring stage's view; mla.py's rows are contiguous in the upper half of the 16-bit stage, `_fp8_rows`,
+        mla_narrow.py's 608 bytes apart): this thread's chunks (`_fp8_chunk`), one cp.async each, from the rows'
         page ids `ids` (`_fp8_page_ids`), clamped into the cache here and widened to 64 bits."""
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Uint8,
                                    num_bits_per_copy=128)
-        dst = _fp8_half(ring, self.tile_n, self.stages, Uint8)
         k_base = k_ptr.toint()
         for k in cutlass.range_constexpr(self.tile_n // 32):
             page = Int64(cutlass.min(cutlass.max(ids[k], Int32(0)), pt_row.last))
@@ -671,7 +672,7 @@ class MlaSplitKernel:
                 row, ch = _fp8_chunk(tidx, k * CHUNKS8 // 4 + i)
                 src = cute.make_tensor(cute.make_ptr(Uint8, row_addr + ch * 16, cute.AddressSpace.gmem,
                                                      assumed_align=16), cute.make_layout((16,)))
-                cute.copy(atom, src, dst[stage, row * CHUNKS8 + ch, None])
+                cute.copy(atom, src, dst[row, ch, None])
 
     @cute.jit
     def _widen_fp8(self, tidx: Int32, stage: Int32, ring: cute.Pointer):
@@ -727,6 +728,13 @@ def _with_stage_stride(layout, stages: int, stride: int):
     `stride` elements apart (the ring's stage stride, not the operand's own size)."""
     shape, strides = layout.shape, layout.stride
     return cute.make_layout((shape[0], shape[1], (1, stages)), stride=(strides[0], strides[1], (0, stride)))
+
+
+def _fp8_rows(ring, rows: int, stages: int):
+    """(stage, key row, 16-byte chunk, byte) of the float8 tiles in the upper halves of the ring's 16-bit stages:
+    `_fp8_half` by rows, the view `_stage_fp8` copies into."""
+    return cute.make_tensor(cute.recast_ptr(ring + rows * D // 2, dtype=Uint8),
+                            cute.make_layout((stages, rows, CHUNKS8, 16), stride=(rows * D * 2, D, 16, 1)))
 
 
 def _fp8_half(ring, rows: int, stages: int, dtype):

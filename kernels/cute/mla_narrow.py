@@ -44,8 +44,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, Uint8, Uint32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
 from b12x_inductor.kernels.cute import MLA_D as D
@@ -54,7 +54,7 @@ from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, emp
                                                live_range, logit, release_phase, scales, split_keys, stage_phase,
                                                visible)
 from b12x_inductor.kernels.cute.mla import (CHUNKS, CHUNKS8, RESCALE_LOG2, MlaSplitKernel, _chunk, _chunks_view,
-                                            _fp8_chunk, _with_stage_stride, query_parts)
+                                            _with_stage_stride, query_parts)
 from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, pack2, prmt
 
 THREADS = 384  # producer warpgroup + two consumer warpgroups
@@ -73,9 +73,10 @@ V_BUFS = 2  # float8: k-steps of O^T whose A registers (8 column blocks each) ar
 
 
 class MlaNarrowKernel(MlaSplitKernel):
-    """The narrow MLA kernel for one set of compile-time constants: 64-key tiles in `stages` (2 with a 16-bit
-    cache, 5 with a float8 one: kernels/cute/__init__.py, mla_narrow_geometry), at most 16 query rows a request.
-    Shares mla.py's host launch (`MlaSplitKernel.__call__`) and its 16-bit producer."""
+    """The narrow MLA kernel for one set of compile-time constants: 64-key tiles in `stages` (at most 2 with a
+    16-bit cache and 5 with a float8 one: kernels/cute/__init__.py, mla_narrow_geometry; the plan takes the
+    most), at most 16 query rows a request. Shares mla.py's host launch (`MlaSplitKernel.__call__`), its 16-bit
+    producer and its float8 page-id reads."""
 
     def __init__(self, *, s: int, hq: int, page: int, num_splits: int, tile_n: int, stages: int, q_dtype,
                  causal: bool, use_softcap: bool, kv_dtype=None):
@@ -447,17 +448,14 @@ class MlaNarrowKernel(MlaSplitKernel):
         """The producer with a float8 cache: tile `it`, as stored, by cp.async into stage it % NS once released
         (key rows FP8_ROW bytes apart), then this thread's cp.async.mbarrier.arrive on the stage's full mbarrier.
         Four threads share a key row (`_fp8_chunk`), so each reads one page id per row and tile; the ids of tile
-        it + 1 are read right after tile it's copies are issued (mla.py's `_fp8_page_ids`). Keys outside
-        [kv_start, length) copy the nearest visible one (finite; the consumers mask them to P = 0)."""
+        it + 1 are read right after tile it's copies are issued (mla.py's `_fp8_page_ids`, `_stage_fp8`). Keys
+        outside [kv_start, length) copy the nearest visible one (finite; the consumers mask them to P = 0)."""
         BN = const_expr(TILE_N)
         NS = const_expr(self.stages)
         pt_row = PageRow(pt_ptr, pt_sb, b, num_pages)
         keys = (Uint32(start), Uint32(length - 1))
         ids = cute.make_rmem_tensor((BN // 32,), Int32)
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Uint8,
-                                   num_bits_per_copy=128)
         dst = cute.make_tensor(ring8, cute.make_layout((NS, BN, CHUNKS8, 16), stride=(self.tile_bytes, FP8_ROW, 16, 1)))
-        k_base = k_ptr.toint()
         if n_tiles > 0:
             self._fp8_page_ids(tidx, pt_row, keys, s_lo, ids)
         for it in cutlass.range(n_tiles, unroll=1):
@@ -465,15 +463,7 @@ class MlaNarrowKernel(MlaSplitKernel):
             if it >= NS:
                 cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), release_phase(it, NS))
             j0 = s_lo + it * BN
-            for k in cutlass.range_constexpr(BN // 32):
-                page = Int64(cutlass.min(cutlass.max(ids[k], Int32(0)), pt_row.last))
-                j = self._fp8_key(tidx, keys, j0, k)
-                row_addr = self._key_row(k_base, page, j, k_sp, k_so, 1)
-                for i in cutlass.range_constexpr(CHUNKS8 // 4):
-                    row, ch = _fp8_chunk(tidx, k * CHUNKS8 // 4 + i)
-                    src = cute.make_tensor(cute.make_ptr(Uint8, row_addr + ch * 16, cute.AddressSpace.gmem,
-                                                         assumed_align=16), cute.make_layout((16,)))
-                    cute.copy(atom, src, dst[stage, row, ch, None])
+            self._stage_fp8(tidx, pt_row, keys, ids, k_ptr, k_sp, k_so, j0, dst[stage, None, None, None])
             if it + 1 < n_tiles:
                 self._fp8_page_ids(tidx, pt_row, keys, j0 + BN, ids)
             cute.arch.cp_async_mbarrier_arrive_noinc(full_barrier(mbar, NS, 0, stage))
