@@ -535,8 +535,8 @@ def test_cute_mla_supports_and_plans():
     # a float8 cache: the narrow kernel (mla_narrow.py) for 16 rows a request or fewer, at every page size;
     # mla.py's ring above
     narrow = (64, 5, 12)
-    for kw, tile in ((dict(batch=32), ring), (dict(batch=1, max_pages=512), ring), (dict(q_len=2, num_q_heads=16), ring),
-                     (dict(batch=64, num_q_heads=16), narrow), (dict(page_size=1, num_q_heads=16), narrow),
+    for kw, tile in ((dict(batch=32), ring), (dict(batch=1, max_pages=512), ring),
+                     (dict(q_len=2, num_q_heads=16), ring), (dict(batch=64, num_q_heads=16), narrow), (dict(page_size=1, num_q_heads=16), narrow),
                      (dict(q_len=2, num_q_heads=8), narrow), (dict(num_q_heads=4), narrow)):
         plan = family_plan(_problem(**{**mla, **kw}, kv_dtype=F8), "cute")
         assert ((plan.block_n, plan.num_stages, plan.num_warps)) == tile, (kw, plan)

@@ -2,8 +2,8 @@
 (decode_mma.py); extend warp-specialized with wgmma (extend.py); absorbed-MLA decode and verify (D 576, Dv 512,
 V a view of K) with wgmma, warp-specialized over a ring of 32-key tiles (mla.py), two warpgroups seesawing
 over two 64-key tiles (mla_seesaw.py), or, for at most 16 query rows a request, with the products transposed
-(keys as the wgmma's M) and a float8 cache widened in registers (mla_narrow.py). `FAMILY` is its KernelFamily (kernels/__init__.py); its plans and where
-select_plan prefers it are in plan.py.
+(keys as the wgmma's M) and a float8 cache widened in registers (mla_narrow.py). `FAMILY` is its KernelFamily
+(kernels/__init__.py); its plans and where select_plan prefers it are in plan.py.
 
 Optional: it needs nvidia-cutlass-dsl (`pip install b12x-inductor[cute]`); without it `available()` is False
 and every plan runs on Triton. `run` launches the plan's kernel on torch's current stream (a CuTe launch
