@@ -291,26 +291,38 @@ class MlaNarrowKernel(MlaSplitKernel):
         """S^T = K Q^T of the float8 tile in `stage`, A from registers: per chunk of S_CHUNK k-steps this thread
         loads 8 bytes of each of its key rows (warp x 16 + g and + 8) per pair of k-steps (columns 32 kk + 8 t),
         widens them into the chunk's buffer (two buffers: the chunk before last must be done before its buffer is
-        rewritten) and issues the chunk (one commit group each; the caller waits for all)."""
+        rewritten) and issues the chunk (one commit group each; the caller waits for all). The next chunk's bytes
+        are loaded before that wait, so their latency hides behind it."""
         mma = self._mma_s()
-        x = cute.make_rmem_tensor((2,), Uint32)
-        for c in cutlass.range_constexpr(D // 16 // S_CHUNK):
+        CHUNKS_S = const_expr(D // 16 // S_CHUNK)
+        x = cute.make_rmem_tensor((2, S_CHUNK // 2, 2, 2), Uint32)  # (chunk parity, 32-column block, rh, word)
+        self._load_k_chunk(x, kw, stage, warp, g, t, 0)
+        for c in cutlass.range_constexpr(CHUNKS_S):
             buf = c % 2
+            if const_expr(c + 1 < CHUNKS_S):
+                self._load_k_chunk(x, kw, stage, warp, g, t, c + 1)
             if const_expr(c >= 2):
                 warpgroup.wait_group(1)
             for kk in cutlass.range_constexpr(S_CHUNK // 2):
-                col = c * S_CHUNK // 2 + kk  # the 32-column block
                 for rh in cutlass.range_constexpr(2):
-                    cute.autovec_copy(kw[stage, warp * 16 + g + 8 * rh, 4 * col + t, None], x)
                     for s in cutlass.range_constexpr(2):  # word s: k-step 2 col + s
                         slot = (buf * S_CHUNK + 2 * kk + s) * 4
-                        ka[slot + rh], ka[slot + 2 + rh] = e4m3x4_to_f16x4(x[s])
+                        ka[slot + rh], ka[slot + 2 + rh] = e4m3x4_to_f16x4(x[buf, kk, rh, s])
             warpgroup.fence()
             for s in cutlass.range_constexpr(S_CHUNK):
                 k = c * S_CHUNK + s
                 mma.set(warpgroup.Field.ACCUMULATE, k != 0)
                 cute.gemm(mma, acc_s, kf[None, None, buf * S_CHUNK + s], tSrQ[None, None, k, 0], acc_s)
             warpgroup.commit_group()
+
+    @cute.jit
+    def _load_k_chunk(self, x: cute.Tensor, kw: cute.Tensor, stage: Int32, warp: Int32, g: Int32, t: Int32,
+                      c: cutlass.Constexpr):
+        """Chunk c's float8 bytes of this thread's key rows (8 per row and 32-column block) into x[c % 2]."""
+        for kk in cutlass.range_constexpr(S_CHUNK // 2):
+            col = c * S_CHUNK // 2 + kk  # the 32-column block
+            for rh in cutlass.range_constexpr(2):
+                cute.autovec_copy(kw[stage, warp * 16 + g + 8 * rh, 4 * col + t, None], x[c % 2, kk, rh, None])
 
     @cute.jit
     def _pv_fp8(self, acc_o: list, va: cute.Tensor, vf: cute.Tensor, vw: cute.Tensor, tOrP: cute.Tensor,
@@ -320,20 +332,25 @@ class MlaNarrowKernel(MlaSplitKernel):
         byte (prmt) and widens the pairs: byte b of the 16 is column (M tile b // 2, row warp x 16 + g + 8 (b % 2))
         of the fragment (`_dim`), and the pair is its k values 2t + 8h, + 1 (`_logical_key`). Buffers of 8
         column blocks, V_BUFS buffers (a buffer is rewritten once the k-step that read it is done), one commit
-        group a k-step (the caller waits for all)."""
+        group a k-step (the caller waits for all); the next k-step's bytes are loaded before that wait."""
         mma = self._mma_o()
         mma.set(warpgroup.Field.ACCUMULATE, True)
-        x = cute.make_rmem_tensor((4, 4), Uint32)
+        x = cute.make_rmem_tensor((2, 4, 4), Uint32)  # (k-step parity, key j, word)
+        for jj in cutlass.range_constexpr(4):
+            cute.autovec_copy(vw[stage, 4 * jj + t, 8 * warp + g, None], x[0, jj, None])
         for s in cutlass.range_constexpr(TILE_N // 16):
             buf = s % V_BUFS
+            if const_expr(s + 1 < TILE_N // 16):
+                for jj in cutlass.range_constexpr(4):
+                    key = 16 * (s + 1) + 4 * jj + t
+                    cute.autovec_copy(vw[stage, key, 8 * warp + g, None], x[(s + 1) % 2, jj, None])
             if const_expr(s >= V_BUFS):
                 warpgroup.wait_group(V_BUFS - 1)
-            for jj in cutlass.range_constexpr(4):
-                cute.autovec_copy(vw[stage, 16 * s + 4 * jj + t, 8 * warp + g, None], x[jj, None])
+            p = s % 2
             for h in cutlass.range_constexpr(2):
                 for xw in cutlass.range_constexpr(4):
-                    lo = prmt(x[2 * h, xw], x[2 * h + 1, xw], 0x5140)
-                    hi = prmt(x[2 * h, xw], x[2 * h + 1, xw], 0x7362)
+                    lo = prmt(x[p, 2 * h, xw], x[p, 2 * h + 1, xw], 0x5140)
+                    hi = prmt(x[p, 2 * h, xw], x[p, 2 * h + 1, xw], 0x7362)
                     slot0 = (buf * M_TILES + 2 * xw) * 4 + 2 * h
                     slot1 = (buf * M_TILES + 2 * xw + 1) * 4 + 2 * h
                     va[slot0], va[slot0 + 1] = e4m3x4_to_f16x4(lo)  # columns 4 xw, 4 xw + 1
