@@ -18,10 +18,11 @@ One CTA of three warpgroups:
   threads a key row, page ids read a tile ahead (`_produce_fp8`).
 - warpgroups 1 and 2, the consumers, own alternate tiles (c, c + 2, ...) and run independently: each keeps its
   own running column maxima, sums and O^T (16 x 512 fp32: 64 registers a thread) and the two are merged at the
-  end (`_finish`), as two splits would be. Per own tile: S^T (one commit group), the column softmax (`_softmax`:
-  a query row's maxima over the tile's keys reduce over the lanes of a warp and then, through shared memory and
-  one named barrier, over the warpgroup's four warps), P^T (16-bit) into the consumer's P buffer, then O^T
-  (one commit group), the wait for it, and the stage's release.
+  end (`_finish`), as two splits would be. Per own tile: S^T (one commit group; six with a float8 cache), the
+  column softmax (`_softmax`: a query row's maxima over the tile's keys reduce over the lanes of a warp and then,
+  through shared memory and one named barrier, over the warpgroup's four warps), P^T (16-bit) into the
+  consumer's P buffer, then O^T (one commit group; four with a float8 cache), the wait for it, and the stage's
+  release.
 - The products' operands: a 16-bit cache runs both from shared memory (K as the K-major A of S^T, V as the
   M-major A of O^T, read from the same 128-byte swizzled tile; Q and P^T as K-major Bs). A float8 cache runs both
   in fp16 with A from registers: each consumer thread loads its fragment's float8 bytes itself and widens them
