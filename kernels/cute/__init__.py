@@ -496,9 +496,9 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
             softcap=Float32(softcap if softcap > 0 else 1.0), k_pages=Int32(k_cache.shape[0]),
             v_pages=Int32(v_cache.shape[0]), max_pages=Int32(pt.shape[1]), stream=stream)))
         sinks = tensors["sinks"]
-        triton_decode.merge_kernel[(batch * s * hq,)](
-            part_o, part_l, sinks if sinks is not None else lse, out, lse, int(sinks is not None),
-            **triton_decode.merge_launch(hq, v_cache.shape[-1], splits))
+        grid, merge = triton_decode.merge_launch(batch * s * hq, hq, v_cache.shape[-1], splits)
+        triton_decode.merge_kernel[grid](
+            part_o, part_l, sinks if sinks is not None else lse, out, lse, int(sinks is not None), **merge)
 
 
 def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
@@ -562,9 +562,9 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
             softcap=Float32(softcap if softcap > 0 else 1.0), k_pages=Int32(k_cache.shape[0]),
             max_pages=Int32(pt.shape[1]), stream=stream)))
         if splits > 1:
-            triton_decode.merge_kernel[(batch * s * hq,)](
-                part_o, part_l, sinks if sinks is not None else lse, out, lse, int(sinks is not None),
-                **triton_decode.merge_launch(hq, MLA_DV, splits))
+            grid, merge = triton_decode.merge_launch(batch * s * hq, hq, MLA_DV, splits)
+            triton_decode.merge_kernel[grid](
+                part_o, part_l, sinks if sinks is not None else lse, out, lse, int(sinks is not None), **merge)
 
 
 def precompile(problem, plan, options) -> None:
@@ -597,9 +597,9 @@ def _precompile_merge(problem, splits: int) -> None:
     from b12x_inductor.kernels.triton._compile_only import load_now
 
     hq = problem.num_q_heads
+    grid, merge = triton_decode.merge_launch(problem.batch * problem.q_len * hq, hq, problem.v_head_dim, splits)
     k = triton_decode.merge_kernel.warmup(
-        torch.float32, torch.float32, torch.float32, problem.q_dtype, torch.float32, 0,
-        grid=(problem.batch * problem.q_len * hq,), **triton_decode.merge_launch(hq, problem.v_head_dim, splits))
+        torch.float32, torch.float32, torch.float32, problem.q_dtype, torch.float32, 0, grid=grid, **merge)
     load_now(k)
 
 

@@ -203,9 +203,8 @@ def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
             x.lse, x.part_o, x.part_l, *common)
     consts = dict(S=x.q_len, G=g, HKV=x.hkv, M_TILES=m_tiles, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
                   NUM_SPLITS=splits, **flags)
-    merge_grid = (x.batch * x.q_len * x.hq,)
     merge_args = (x.part_o, x.part_l, x.sinks, x.out, x.lse, x.has_sinks)
-    merge = decode.merge_launch(x.hq, x.dv, splits)
+    merge_grid, merge = decode.merge_launch(x.batch * x.q_len * x.hq, x.hq, x.dv, splits)
     merge_tune = {k: merge.pop(k) for k in ("num_warps", "num_stages")}
     merge_consts = merge
     if warmup:

@@ -6,7 +6,7 @@ heads of that KV head (row r: token r // G, head h * G + r % G), so each KV tile
 them and both products go through `tl.dot`. The partition is sized on the device from the live length,
 so the same compiled kernel serves every length. With num_splits == 1 it writes out and lse directly;
 otherwise it writes each split's normalized partial output and log2-sum-exp into the scratch and stage 2
-(`merge_kernel`, grid (B * S * Hq,)) combines them with the sink.
+(`merge_kernel`, grid (B * S * Hq, DV column blocks): `merge_launch`) combines them with the sink.
 
 Key j of request b lives at page page_table[b, j // PAGE] offset j % PAGE; the page id is widened to 64 bits
 before it is multiplied by the cache's page stride. NHD and HND differ only in the strides passed.
@@ -114,11 +114,21 @@ def split_kernel(
         tl.store(PART_L + part, tl.where(seen, m_i + tl.log2(safe_l), float("-inf")), mask=row_ok)
 
 
-def merge_launch(hq: int, dv: int, splits: int) -> dict:
-    """The merge kernel's compile-time arguments and launch options, one place for both families' launches
-    (B * S * Hq programs; the splits' partials are [row, split, DV] fp32 and LSEs [row, split])."""
-    return dict(HQ=hq, DV=dv, BLOCK_DV=next_pow2(dv), NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits), num_warps=4,
-                num_stages=1)
+MERGE_TILE_ELEMS = 4096  # fp32 partials one merge program holds: 32 a thread at 4 warps, never a spill
+
+
+def merge_launch(rows: int, hq: int, dv: int, splits: int) -> tuple[tuple[int, int], dict]:
+    """(grid, compile-time arguments and launch options) of the merge kernel, one place for both families'
+    launches. `rows` is B * S * Hq; the splits' partials are [row, split, DV] fp32 and LSEs [row, split].
+
+    A program merges one row's splits over BLOCK_DV of its DV columns, holding a [SPLITS_P2, BLOCK_DV] tile of
+    partials: BLOCK_DV shrinks as the splits grow (at most MERGE_TILE_ELEMS in all), so 128 splits of MLA's 512
+    columns run as 16 programs a row instead of one that spills, and a few rows still spread over many SMs."""
+    splits_p2 = next_pow2(splits)
+    block_dv = min(next_pow2(dv), max(16, MERGE_TILE_ELEMS // splits_p2))
+    grid = (rows, -(-dv // block_dv))
+    return grid, dict(HQ=hq, DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=splits, SPLITS_P2=splits_p2, num_warps=4,
+                      num_stages=1)
 
 
 @triton.jit(do_not_specialize=["SINKS", "has_sinks"])
@@ -128,7 +138,7 @@ def merge_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)  # (b * S + token) * Hq + head
     offs_s = tl.arange(0, SPLITS_P2)
-    offs_d = tl.arange(0, BLOCK_DV)
+    offs_d = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     s_ok = offs_s < NUM_SPLITS
     d_ok = offs_d < DV
     part_l = tl.load(PART_L + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
@@ -148,4 +158,5 @@ def merge_kernel(
     o = tl.sum(part_o * (w / denom)[:, None], 0)
     o = tl.where(seen, o, 0.0)
     tl.store(OUT + row * DV + offs_d, o.to(OUT.dtype.element_ty), mask=d_ok)
-    tl.store(LSE + row, tl.where(seen, (m_f + tl.log2(denom)) * LN2, float("-inf")))
+    if tl.program_id(1) == 0:
+        tl.store(LSE + row, tl.where(seen, (m_f + tl.log2(denom)) * LN2, float("-inf")))
