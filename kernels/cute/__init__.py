@@ -36,7 +36,7 @@ MAX_ROWS = 16  # query rows (S x Hq / Hkv) per CTA: the per-thread accumulators 
 KEYS_PER_THREAD = 2  # score phase: keys per thread (each q read serves both)
 MMA_M = 16  # a plan's block_m: 16 = the tensor-core kernel (one m16 tile of query rows), 1 = the CUDA-core one
 MLA_BLOCK_M = 64  # mla.py: query rows per CTA (both consumer warpgroups take all 64)
-MLA_NARROW_ROWS = 16  # mla_narrow.py: query rows per CTA (the wgmma's N), at most a request's S x H
+MLA_NARROW_ROWS = _plan.MLA_NARROW_TILE["block_m"]  # mla_narrow.py: query rows per CTA (the wgmma's N), at most S x H
 MLA_D, MLA_DV = 576, 512  # mla.py: the latent's key width (512 + 64 rope) and value width
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90 (a kernel's is its struct's size: storage.py)
 

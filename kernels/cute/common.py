@@ -1,12 +1,14 @@
-"""Math shared by the CuTe DSL family's kernels (decode.py, decode_mma.py, extend.py), written once: the
-per-(request, KV head) scales, a request's live key range (clamped: `live_range`) and a split's share of it
-(`split_keys`), its page-table row (page
-ids clamped into the cache: `PageRow`), a score's log2-domain logit and whether a key is visible to a row;
-and the stage barriers of a pipelined K/V ring (`full_barrier`, `empty_barrier`, `stage_phase`,
+"""Math shared by the CuTe DSL family's kernels (decode.py, decode_mma.py, extend.py and the MLA kernels), written
+once: the per-(request, KV head) scales, a request's live key range (clamped: `live_range`) and a split's share of
+it (`split_keys`), its page-table row (page ids clamped into the cache: `PageRow`), a score's log2-domain logit and
+whether a key is visible to a row, a row's output factor and lse (`output_factor`: mla.py's and mla_narrow.py's
+epilogues); and the stage barriers of a pipelined K/V ring (`full_barrier`, `empty_barrier`, `stage_phase`,
 `release_phase`).
 """
 
 from __future__ import annotations
+
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -70,6 +72,35 @@ class PageRow:
     def __getitem__(self, i):
         return cutlass.min(cutlass.max(Int32(self.ids[i]), Int32(0)), self.last)
 
+
+
+@cute.jit
+def output_factor(m: Float32, l: Float32, weight: Float32, sinks_ptr: cute.Pointer, has_sinks: Int32, head: Int32,
+                  v_scale: Float32, one_split: cutlass.Constexpr):
+    """(factor, lse) of a row whose running max is m (log2 domain) and whose sum of exp2(score - m) is l; the
+    factor multiplies the row's unnormalized O. `weight` scales the factor: exp2(m_c - m) where a consumer holds
+    O's part for its own max m_c (mla_narrow.py), else 1. One split: the output itself, times `v_scale`, with the
+    head's sink (a logit) folded into the denominator as the merge kernel folds it, and lse in natural log.
+    Several: the normalized partial and its log2-sum-exp, in the merge kernel's terms. A row that saw no key
+    (l = 0): factor 0 and lse -inf."""
+    seen = l > Float32(0.0)
+    f = Float32(0.0)
+    lse = Float32(-math.inf)
+    if const_expr(one_split):
+        sink = Float32(NEG_BIG)
+        if has_sinks != 0:
+            sinks = cute.make_tensor(sinks_ptr, cute.make_layout((1 << 30,)))
+            sink = Float32(sinks[head]) * Float32(LOG2E)
+        m_f = cutlass.max(m, sink)
+        if seen:
+            l_f = l * cute.arch.exp2(m - m_f) + cute.arch.exp2(sink - m_f)
+            f = weight * cute.arch.exp2(m - m_f) / l_f * v_scale
+            lse = (m_f + cute.math.log2(l_f)) * Float32(LN2)
+    else:
+        if seen:
+            f = weight * v_scale / l
+            lse = m + cute.math.log2(l)
+    return f, lse
 
 @cute.jit
 def logit(x: Float32, k_scale: Float32, softcap: Float32, use_softcap: cutlass.Constexpr):

@@ -58,12 +58,10 @@ The split's key range is computed on the device from the live length (clamped: `
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, Uint8, Uint16, Uint32, const_expr
+from cutlass import Float32, Int32, Int64, Uint8, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
@@ -71,8 +69,9 @@ from b12x_inductor.kernels.cute import MLA_BLOCK_M as BLOCK_M
 from b12x_inductor.kernels.cute import MLA_D as D
 from b12x_inductor.kernels.cute import MLA_DV as DV
 from b12x_inductor.kernels.cute import mla_geometry, tma, tma_box
-from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
-                                               live_range, release_phase, scales, split_keys, stage_phase)
+from b12x_inductor.kernels.cute.common import (NEG_BIG, PageRow, empty_barrier, full_barrier,
+                                               live_range, output_factor, release_phase, scales, split_keys,
+                                               stage_phase)
 from b12x_inductor.kernels.cute.plan import MLA_FP8_LAG as FP8_LAG  # float8 tiles loaded ahead of the one widened
 from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, pack2
 from b12x_inductor.kernels.cute.softmax import online_softmax
@@ -354,24 +353,7 @@ class MlaSplitKernel:
             row = t_co[2 * rh][0]
             r = rb * BLOCK_M + row
             l_r = l_run[rh] + sL[1 - wgc, row]
-            m_r = m_run[rh]
-            seen = l_r > Float32(0.0)
-            f = Float32(0.0)
-            lse = Float32(-math.inf)
-            if const_expr(ONE):
-                sink = Float32(NEG_BIG)
-                if has_sinks != 0:
-                    sinks = cute.make_tensor(sinks_ptr, cute.make_layout((1 << 30,)))
-                    sink = Float32(sinks[r % self.hq]) * Float32(LOG2E)
-                m_f = cutlass.max(m_r, sink)
-                if seen:
-                    l_f = l_r * cute.arch.exp2(m_r - m_f) + cute.arch.exp2(sink - m_f)
-                    f = cute.arch.exp2(m_r - m_f) / l_f * v_scale
-                    lse = (m_f + cute.math.log2(l_f)) * Float32(LN2)
-            else:
-                if seen:
-                    f = v_scale / l_r
-                    lse = m_r + cute.math.log2(l_r)
+            f, lse = output_factor(m_run[rh], l_r, Float32(1.0), sinks_ptr, has_sinks, r % self.hq, v_scale, ONE)
             for e in cutlass.range_constexpr(0, NO_ELEMS, 2):  # e, e + 1: adjacent columns of one row
                 if const_expr((e // 2) % 2 == rh):
                     col = wgc * HALF + t_co[e][1]

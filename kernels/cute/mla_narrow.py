@@ -51,15 +51,15 @@ from cutlass.utils import LayoutEnum
 
 from b12x_inductor.kernels.cute import MLA_D as D
 from b12x_inductor.kernels.cute import MLA_DV as DV
-from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
-                                               live_range, logit, release_phase, scales, split_keys, stage_phase,
-                                               visible)
+from b12x_inductor.kernels.cute import MLA_NARROW_ROWS as ROWS  # query rows of a CTA: the wgmma's N
+from b12x_inductor.kernels.cute.common import (NEG_BIG, PageRow, empty_barrier, full_barrier,
+                                               live_range, logit, output_factor, release_phase, scales,
+                                               split_keys, stage_phase, visible)
 from b12x_inductor.kernels.cute.mla import (CHUNKS, CHUNKS8, RESCALE_LOG2, MlaSplitKernel, _chunk, _chunks_view,
                                             _with_stage_stride, query_parts)
 from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, pack2, prmt
 
 THREADS = 384  # producer warpgroup + two consumer warpgroups
-ROWS = 16  # query rows of a CTA: the wgmma's N
 TILE_N = 64  # keys of a tile: the wgmma's M
 FP8_ROW = D + 32  # bytes between the key rows of a float8 tile
 M_TILES = DV // 64  # the O^T products of a tile (64 value columns each)
@@ -523,24 +523,8 @@ class MlaNarrowKernel(MlaSplitKernel):
             l_0 = (fin[0, 0, n] + fin[0, 1, n]) + (fin[0, 2, n] + fin[0, 3, n])
             l_1 = (fin[1, 0, n] + fin[1, 1, n]) + (fin[1, 2, n] + fin[1, 3, n])
             l_r = l_0 * cute.arch.exp2(m0 - m) + l_1 * cute.arch.exp2(m1 - m)
-            mine = cute.arch.exp2(m_run[cq] - m)
-            seen = l_r > Float32(0.0)
-            f = Float32(0.0)
-            lse = Float32(-math.inf)
-            if const_expr(ONE):
-                sink = Float32(NEG_BIG)
-                if has_sinks != 0:
-                    sinks = cute.make_tensor(sinks_ptr, cute.make_layout((1 << 30,)))
-                    sink = Float32(sinks[n % self.hq]) * Float32(LOG2E)
-                m_f = cutlass.max(m, sink)
-                if seen:
-                    l_f = l_r * cute.arch.exp2(m - m_f) + cute.arch.exp2(sink - m_f)
-                    f = mine * cute.arch.exp2(m - m_f) / l_f * v_scale
-                    lse = (m_f + cute.math.log2(l_f)) * Float32(LN2)
-            else:
-                if seen:
-                    f = mine * v_scale / l_r
-                    lse = m + cute.math.log2(l_r)
+            f, lse = output_factor(m, l_r, cute.arch.exp2(m_run[cq] - m), sinks_ptr, has_sinks, n % self.hq, v_scale,
+                                   ONE)
             fac[cq] = f
             if (wgc == 0) & (warp == 0) & (g == 0) & (n < self.rows):
                 part = Int64(b) * self.rows + Int64(n)

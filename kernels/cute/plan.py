@@ -51,7 +51,8 @@ def plan(problem: Problem, **tiles) -> Plan:
         from b12x_inductor.kernels.cute import mla_narrow_geometry
 
         rows = problem.q_len * problem.num_q_heads
-        if (rows > out.block_m or out.block_n != MLA_NARROW_TILE["block_n"] or out.num_warps != 12
+        if (rows > out.block_m or out.block_n != MLA_NARROW_TILE["block_n"]
+                or out.num_warps != MLA_NARROW_TILE["num_warps"]
                 or mla_narrow_geometry(fp8=problem.kv_dtype == FP8, stages=out.num_stages) is None):
             raise ValueError("paged_attention: the cute family's narrow MLA kernel (block_m=16) takes at most 16 "
                              "query rows a request (q_len x heads) in 64-key tiles with num_warps=12, and as many "
