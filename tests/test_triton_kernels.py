@@ -200,29 +200,36 @@ INTERPRETER_CASES = [
 ]
 
 
-def _interpreter_worker() -> None:
-    """Runs every INTERPRETER_CASES case through kernels.triton.run; prints one JSON line per case."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
+def _run_case(case, device="cpu") -> None:
+    """Runs one INTERPRETER_CASES case through kernels.triton.run with its plan's tiles on `device` and checks
+    it against the reference (raises where it differs)."""
     from b12x_inductor.kernels import triton as tk
     from b12x_inductor.kernels.reference import paged_attention_reference
     from tests.helpers import direct_call
 
-    for name, mode, (splits, block_m, block_n, *v_from_k), kw, opts in INTERPRETER_CASES:
+    name, mode, (splits, block_m, block_n, *v_from_k), kw, opts = case
+    t = make_inputs(**kw, device=device)
+    q = t["q"]
+    options = dict(kv_layout=kw.get("kv_layout", "NHD"), causal=True, scale=1.1 * q.shape[-1] ** -0.5,
+                   window_left=-1, softcap=0.0)
+    options.update(opts)
+    call = direct_call(t, mode, options, dict(num_splits=splits, block_m=block_m, block_n=block_n,
+                                              num_warps=4, num_stages=2, v_from_k=bool(v_from_k)))
+    tk.run(call)
+    ref_out, ref_lse = paged_attention_reference(**t, **options)
+    check_close(call.out, call.lse, ref_out, ref_lse, what=name)
+
+
+def _interpreter_worker() -> None:
+    """Runs every INTERPRETER_CASES case (`_run_case`); prints one JSON line per case."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
+
+    for case in INTERPRETER_CASES:
         try:
-            t = make_inputs(**kw)
-            q = t["q"]
-            options = dict(kv_layout=kw.get("kv_layout", "NHD"), causal=True, scale=1.1 * q.shape[-1] ** -0.5,
-                           window_left=-1, softcap=0.0)
-            options.update(opts)
-            call = direct_call(t, mode, options, dict(num_splits=splits, block_m=block_m, block_n=block_n,
-                                                      num_warps=4, num_stages=2, v_from_k=bool(v_from_k)))
-            tk.run(call)
-            out, lse = call.out, call.lse
-            ref_out, ref_lse = paged_attention_reference(**t, **options)
-            check_close(out, lse, ref_out, ref_lse, what=name)
-            print(json.dumps({"case": name, "ok": True}), flush=True)
+            _run_case(case)
+            print(json.dumps({"case": case[0], "ok": True}), flush=True)
         except Exception as e:  # reported per case by the parent test
-            print(json.dumps({"case": name, "ok": False, "error": f"{type(e).__name__}: {e}"}), flush=True)
+            print(json.dumps({"case": case[0], "ok": False, "error": f"{type(e).__name__}: {e}"}), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +254,14 @@ def test_interpreter_matches_reference(interpreter_results, name):
     r = interpreter_results.get(name)
     assert r is not None, f"{name}: no result from the interpreter worker"
     assert r["ok"], r.get("error")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [c[0] for c in INTERPRETER_CASES if "merge_blocks" in c[0]])
+def test_gpu_merge_in_column_blocks(name):
+    """The many-split interpreter cases compiled and run on the GPU: 128 splits of MLA's 512 columns (16 column
+    blocks a row) and 64 of 128 columns (2 blocks), most splits seeing no key, an empty request, sinks."""
+    _run_case(next(c for c in INTERPRETER_CASES if c[0] == name), device="cuda")
 
 
 def test_triton_plan_is_sized(monkeypatch):
