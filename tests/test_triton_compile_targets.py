@@ -16,9 +16,9 @@ tile configuration the plans emit (kernel, block_m, block_n, num_warps, num_stag
 MLA's 576 wide: 14 decode/verify tiles and 3 extend tiles on sm90 / sm100; 13 and 3 on sm89 / sm120, where
 MLA takes no 64-row tile; 10 and 3 on sm80, whose plans have no float8, so its one 128-key tile is D 64
 decode's), both split-KV with its merge kernel and no split, every head-dim pair, every (q, cache) dtype
-pair the target allows, every layout / page size, packed q and every feature set: 17 Problems per target on sm90 / sm100, 16 on
-sm89 / sm120, 13 on sm80, 79 plans (plus their merge kernels) in all, spread over the CPU cores (about 70 s
-on two, from a cold Triton cache).
+pair the target allows, every layout / page size, packed q and every feature set: 17 Problems per target on
+sm90 / sm100, 16 on sm89 / sm120, 13 on sm80, 79 plans (plus their merge kernels) in all, spread over the CPU
+cores (about 70 s on two, from a cold Triton cache).
 """
 
 from __future__ import annotations

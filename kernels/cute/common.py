@@ -73,7 +73,6 @@ class PageRow:
         return cutlass.min(cutlass.max(Int32(self.ids[i]), Int32(0)), self.last)
 
 
-
 @cute.jit
 def output_factor(m: Float32, l: Float32, weight: Float32, sinks_ptr: cute.Pointer, has_sinks: Int32, head: Int32,
                   v_scale: Float32, one_split: cutlass.Constexpr):
@@ -101,6 +100,7 @@ def output_factor(m: Float32, l: Float32, weight: Float32, sinks_ptr: cute.Point
             f = weight * v_scale / l
             lse = m + cute.math.log2(l)
     return f, lse
+
 
 @cute.jit
 def logit(x: Float32, k_scale: Float32, softcap: Float32, use_softcap: cutlass.Constexpr):
