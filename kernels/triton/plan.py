@@ -6,8 +6,9 @@ Decode/verify are bound by the KV bytes: split-KV programs (B x Hkv x M-tiles x 
 count a power of two (uneven splits and part waves cost) and at most 128 (one request with 4 KV heads,
 Qwen2-7B's, needs 128 to reach 4 per SM), each split at least 256 of the keys a query can see (the capacity,
 or a sliding window's keys: Problem.kv_span). float8 caches take 128-key tiles (half the bytes per key), and
-so does decode at D <= 64 (gpt-oss's 64: a 64-key tile is only 8 KB of K; 128 keys ran its full-layer decode rows
-1.12-1.16x faster, h200.md "Session 37"), where verify keeps 64 keys (128 ran 1.15x slower there).
+so does decode at D <= 64 with at most 16 query rows per KV head (gpt-oss's 64 and 8: a 64-key tile is only 8 KB
+of K; 128 keys ran its full-layer decode rows 1.12-1.16x faster, h200.md "Session 37"; larger groups are not
+measured), where verify keeps 64 keys (128 ran 1.15x slower there).
 Decode above D 128 (192, 256) in bf16 / fp16 takes 64-key tiles with 3 stages (76 KB of shared memory at D
 256). Extend: 128 x 128 tiles for D <= 128; above, 128 x 64 with 8 warps on sm90 / sm100 (197 KB of shared
 memory at D 256), 64 x 32 with 4 warps elsewhere.
@@ -93,7 +94,8 @@ def _plan(problem: Problem) -> Plan:
     rows = problem.q_len * problem.group  # query rows packed per KV head
     block_m = min(max(16, next_pow2(rows)), 64 if d > 128 else 128)
     m_tiles = -(-rows // block_m)
-    block_n = (128 if fp8 or (d <= 64 and mode == "decode") else 64) if d <= 128 else (64 if fp8 else 32)
+    wide_keys = fp8 or (d <= 64 and mode == "decode" and block_m == 16)  # D 64: measured at 16 rows (gpt-oss)
+    block_n = (128 if wide_keys else 64) if d <= 128 else (64 if fp8 else 32)
     stages = 2
     if d > 128 and not fp8 and mode == "decode":  # D 192 / 256 decode: 64-key tiles, 3 stages
         block_n, stages = 64, 3
