@@ -79,7 +79,8 @@ def run_family(t, options, family, out=None, overrides=None):
 
 def direct_call(t: dict, mode: str, options: dict, tiles: dict):
     """A kernels.Call of the inputs `t` (make_inputs' dict) for the plan of `mode` with the given tile fields
-    (Triton family), out and lse poisoned with NaN: what the interpreter workers run without a Problem."""
+    (Triton family), out and lse poisoned with NaN, on q's device: what the interpreter workers (and the GPU's
+    direct cases) run without a Problem."""
     from b12x_inductor import kernels
     from b12x_inductor.plan import Plan
 
@@ -91,8 +92,9 @@ def direct_call(t: dict, mode: str, options: dict, tiles: dict):
     plan = Plan(mode=mode, family="triton", scratch_bytes=scratch_bytes, **tiles)
     return kernels.Call(
         **{k: t.get(k) for k in kernels.Call.INPUTS},
-        out=torch.full(q.shape[:-1] + (dv,), float("nan"), dtype=q.dtype),
-        lse=torch.full(q.shape[:-1], float("nan")), scratch=torch.empty(scratch_bytes, dtype=torch.uint8),
+        out=torch.full(q.shape[:-1] + (dv,), float("nan"), dtype=q.dtype, device=q.device),
+        lse=torch.full(q.shape[:-1], float("nan"), device=q.device),
+        scratch=torch.empty(scratch_bytes, dtype=torch.uint8, device=q.device),
         options=kernels.Options(**options), plan=plan)
 
 
