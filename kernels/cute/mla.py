@@ -692,10 +692,13 @@ def query_parts(q_ptr, q_sb, q_ss, q_sh, qpe_ptr, pe_sb, pe_ss, pe_sh) -> dict:
 
 @cute.jit
 def _moved(alpha: cute.Tensor):
-    """Whether any row of this warp has alpha != 1 (its running max moved: online_softmax's rescale_log2);
-    warp-uniform (not warpgroup-uniform: never a condition around wgmma.wait_group), so a warp whose rows did not
-    move skips rescaling O."""
-    return cute.arch.vote_any_sync((alpha[0] != Float32(1.0)) | (alpha[1] != Float32(1.0)))
+    """Whether any alpha of this warp (its rows', or mla_narrow.py's columns') is not 1 (a running max moved:
+    online_softmax's rescale_log2); warp-uniform (not warpgroup-uniform: never a condition around
+    wgmma.wait_group), so a warp whose maxima did not move skips rescaling O."""
+    moved = alpha[0] != Float32(1.0)
+    for i in cutlass.range_constexpr(1, cute.size(alpha)):
+        moved = moved | (alpha[i] != Float32(1.0))
+    return cute.arch.vote_any_sync(moved)
 
 
 @cute.jit

@@ -56,7 +56,7 @@ from b12x_inductor.kernels.cute.common import (NEG_BIG, PageRow, empty_barrier, 
                                                live_range, logit, output_factor, release_phase, scales,
                                                split_keys, stage_phase, visible)
 from b12x_inductor.kernels.cute.mla import (CHUNKS, CHUNKS8, RESCALE_LOG2, MlaSplitKernel, _chunk, _chunks_view,
-                                            _with_stage_stride, query_parts)
+                                            _moved, _with_stage_stride, query_parts)
 from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, pack2, prmt
 
 THREADS = 384  # producer warpgroup + two consumer warpgroups
@@ -226,8 +226,7 @@ class MlaNarrowKernel(MlaSplitKernel):
                 warpgroup.wait_group(0)
                 self._softmax(acc_s, t_cs, m_run, l_run, alpha, limit, sRed[wgc, i % 2, None, None], s_lo + j * BN,
                               s_hi, start, full_hi, k_scale, softcap, wgc, warp, g)
-                if cute.arch.vote_any_sync((alpha[0] != Float32(1.0)) | (alpha[1] != Float32(1.0))
-                                           | (alpha[2] != Float32(1.0)) | (alpha[3] != Float32(1.0))):
+                if _moved(alpha):
                     for mt in cutlass.range_constexpr(M_TILES):
                         for e in cutlass.range_constexpr(cute.size(acc_o[mt])):
                             acc_o[mt][e] = acc_o[mt][e] * alpha[_col(e)]
