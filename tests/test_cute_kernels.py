@@ -12,6 +12,7 @@ cudagraph skip and no recompile, with select_plan picking the family.
 
 from __future__ import annotations
 
+import inspect
 import zlib
 
 import pytest
@@ -176,22 +177,28 @@ EXTEND_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CAS
     ("extend_packed_features", dict(batch=2, hq=16, hkv=2, d=128, page_size=16, packed=True, lens=[700, 260],
                                     q_lens=[390, 200], kv_start=True, sinks=True, nan_unused=True),
      dict(window_left=150, softcap=30.0, scale=0.07)),
-    # D 256 (Gemma's): 64-key tiles in 2 stages, a cached prefix with G = 2; every feature with pages of 64 keys
+    # D 256 (Gemma's): a cached prefix with G = 2 (pages of 16: 48-key tiles by TMA); every feature with pages of
+    # 64 keys (32-key tiles by TMA; the n48_stages3 variant gathers its 48-key tiles by cp.async)
     ("extend_d256_g2_prefix", dict(batch=2, q_len=300, hq=8, hkv=4, d=256, page_size=16, lens=[300, 700],
                                    nan_unused=True), {}),
     ("extend_packed_d256_features", dict(batch=2, hq=4, hkv=2, d=256, page_size=64, packed=True, lens=[700, 260],
                                          q_lens=[300, 200], kv_start=True, sinks=True, nan_unused=True),
      dict(window_left=150, softcap=30.0, scale=0.05)),
 ]
-EXTEND_VARIANTS = {"plan": {}, "stages2": dict(num_stages=2), "n64_stages4": dict(block_n=64, num_stages=4)}
+EXTEND_VARIANTS = {"plan": {}, "stages2": dict(num_stages=2), "n64_stages4": dict(block_n=64, num_stages=4),
+                   "n48_stages3": dict(block_n=48, num_stages=3)}  # the last at D 256 only
 
 
 def _skip_unfit_extend_variant(kw, variant):
-    """Skips a variant whose tiles the head dim's shared memory cannot hold (D 256 takes 64 keys in 2 stages)."""
+    """Skips a variant whose tiles the head dim's shared memory cannot hold (D 256 takes 48 or 32 keys), and the
+    48-key variant below D 256."""
     from b12x_inductor.kernels.cute import extend_geometry
-    from b12x_inductor.kernels.cute.plan import EXTEND_TILES
+    from b12x_inductor.kernels.cute.plan import extend_tiles
 
-    block_n, stages = EXTEND_TILES[kw["d"]]
+    if variant == "n48_stages3" and kw["d"] != 256:
+        pytest.skip("48-key tiles are D 256's")
+    page = kw.get("page_size", inspect.signature(make_inputs).parameters["page_size"].default)
+    block_n, stages = extend_tiles(kw["d"], page)
     tiles = EXTEND_VARIANTS[variant]
     if extend_geometry(d=kw["d"], tile_n=tiles.get("block_n", block_n), stages=tiles.get("num_stages", stages)) is None:
         pytest.skip(f"{variant} does not fit shared memory at D {kw['d']}")

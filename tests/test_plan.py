@@ -108,6 +108,7 @@ def table_cute() -> str:
         _row("bf16 packed T=16384", batch=1, q_len=16384, packed=True, max_pages=1024, **H200),
         _row("bf16 extend D=64 8192:1024", batch=1, q_len=1024, max_pages=512, head_dim=64, **H200),
         _row("bf16 extend D=256", batch=2, q_len=512, max_pages=64, head_dim=256, **H200),
+        _row("bf16 extend D=256 page 64", batch=2, q_len=512, max_pages=16, head_dim=256, page_size=64, **H200),
         _row("fp8 extend 1x16384", batch=1, q_len=16384, max_pages=1024, kv_dtype=f8, **H200),
         # absorbed MLA (mla.py): decode/verify with pages that go by TMA; page 1, float8, extend: Triton
         _row("mla H128 decode 32x4096", batch=32, q_len=1, max_pages=64, **MLA, num_q_heads=128, **H200),
@@ -216,7 +217,8 @@ bf16 decode 32x4096          decode  triton splits=2   m=16  n=64  warps=4 stage
 bf16 extend 1x16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
 bf16 packed T=16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
 bf16 extend D=64 8192:1024   extend  cute   splits=1   m=128 n=128 warps=12 stages=4 scratch=0
-bf16 extend D=256            extend  cute   splits=1   m=128 n=64  warps=12 stages=2 scratch=0
+bf16 extend D=256            extend  cute   splits=1   m=128 n=48  warps=12 stages=3 scratch=0
+bf16 extend D=256 page 64    extend  cute   splits=1   m=128 n=32  warps=12 stages=4 scratch=0
 fp8 extend 1x16384           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 mla H128 decode 32x4096      decode  cute   splits=2   m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k
 mla H128 decode 64x4096      decode  cute   splits=1   m=64  n=64  warps=8 stages=2 scratch=0 v_from_k

@@ -5,8 +5,8 @@ tiles of `block_n` keys; the split count is the Triton family's rule with the co
 measured with (CUTE_SPLITS). block_m 1 selects the CUDA-core kernel (decode.py), 16 (MMA_M) the tensor-core
 one (decode_mma.py), which takes float8 decode once a split spans at least MMA_MIN_SPLIT_KEYS of the keys a
 query can see (Problem.kv_span). Extend: 128 query rows (two consumer warpgroups) and a producer warpgroup,
-128-key tiles (64 at D 256), as many stages as shared memory holds (EXTEND_TILES, extend_geometry), persistent
-CTAs (one per SM). Absorbed MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per
+128-key tiles (48 or 32 at D 256), as many stages as shared memory holds (extend_tiles, extend_geometry),
+persistent CTAs (one per SM). Absorbed MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per
 SM (MLA_SPLITS); the seesaw kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query rows or more
 per request with long splits (mla_plan), else mla.py (4 stages of 32 keys); a float8 latent cache on mla.py, or
 on the narrow kernel (mla_narrow.py, block_m 16: products transposed, 5 stages of 64 keys) where a request has
@@ -27,8 +27,10 @@ MLA_SEESAW_TILE = dict(block_m=64, block_n=64, num_stages=2, num_warps=8)  # mla
 SEESAW_MIN_ROWS = 128  # q_len x heads of a request; fewer (H16) are bound by bytes, where mla.py's ring is faster
 SEESAW_MIN_SPLIT_KEYS = 1024  # a split's keys; fewer (H128 1x32768: 512) and mla.py's ring is faster
 # extend.py's (block_n, num_stages) per head dim: a 128 x D Q tile and the K/V ring within 227 KB; at D 256 the
-# 64 x 256 fp32 P V accumulators (128 registers a thread) leave room for 64-key scores only
-EXTEND_TILES = {64: (128, 4), 128: (128, 3), 256: (64, 2)}
+# 64 x 256 fp32 P V accumulators (128 registers a thread) leave room for small score tiles only: 48 keys in 3
+# stages (64 keys in 2 spilled), or 32 in 4 where pages have TMA boxes of 32 keys but not of 48 (extend_tiles)
+EXTEND_TILES = {64: (128, 4), 128: (128, 3), 256: (48, 3)}
+EXTEND_D256_BOX32 = (32, 4)
 MLA_TILE = dict(block_m=64, block_n=32, num_stages=4, num_warps=12)  # mla.py: 64 rows, 4 stages of 32 keys
 MLA_SPLITS = dict(programs_per_sm=1, max_splits=128)  # one CTA fits an SM (223-226 KB of shared memory)
 MLA_FP8_LAG = 2  # mla.py, float8 cache: tiles in flight while a third is widened, so at least 3 ring stages
@@ -79,8 +81,8 @@ def plan(problem: Problem, **tiles) -> Plan:
 def _plan(problem: Problem) -> Plan:
     if problem.v_head_dim != problem.head_dim:  # absorbed MLA decode/verify (mla.py; supports() admits no other)
         return mla_plan(problem)
-    if problem.mode == "extend":  # as many stages as shared memory holds (EXTEND_TILES)
-        block_n, stages = EXTEND_TILES[problem.head_dim]
+    if problem.mode == "extend":  # as many stages as shared memory holds
+        block_n, stages = extend_tiles(problem.head_dim, problem.page_size)
         return Plan(mode="extend", family="cute", num_splits=1, block_m=128, block_n=block_n, num_warps=12,
                     num_stages=stages, scratch_bytes=0)
     splits = triton_num_splits(problem, problem.batch * problem.num_kv_heads, **CUTE_SPLITS)
@@ -91,6 +93,19 @@ def _plan(problem: Problem) -> Plan:
     # the split kernel always writes partials and the merge kernel combines them, even for one split
     return Plan(mode=problem.mode, family="cute", num_splits=splits, **tile,
                 scratch_bytes=split_scratch_bytes(problem, splits, always=True))
+
+
+def extend_tiles(head_dim: int, page: int) -> tuple[int, int]:
+    """extend.py's (block_n, num_stages) for the head dim and page size: EXTEND_TILES; at D 256 32 keys in 4
+    stages instead of 48 in 3 where the pages go by TMA in 32-key boxes but not in 48-key ones (pages of 32, 64,
+    128, 256 keys: a tile without a box gathers by cp.async, which costs the consumers issue slots). Measured
+    on Gemma's extend row (h200.md, "Session 38"): 48 x 3 1.37x, 32 x 4 1.14x the 64 x 2 tile, pages of 16."""
+    from b12x_inductor.kernels.cute import tma_box
+
+    block_n, stages = EXTEND_TILES[head_dim]
+    if head_dim == 256 and tma_box(page=page, tile_n=block_n) == 0 and tma_box(page=page, tile_n=32) != 0:
+        return EXTEND_D256_BOX32
+    return block_n, stages
 
 
 def mla_narrow_tile(problem: Problem) -> dict:
