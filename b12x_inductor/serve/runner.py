@@ -107,7 +107,7 @@ def attention_arguments(module, query, key, value, attention_mask, kwargs: dict,
     if kwargs.get("is_causal", True) is False:
         raise ValueError(f"{where}: is_causal must be True or None (the engine runs causal attention only); "
                          "got False")
-    q_heads, d = query.shape[1], query.shape[-1]
+    q_heads = query.shape[1]
     if key.shape != value.shape or key.shape[0] != query.shape[0] or key.shape[2:] != query.shape[2:]:
         raise ValueError(f"{where}: key and value must be the step's new tokens, [B, Hkv, S, D] like query "
                          f"[B, Hq, S, D] = {list(query.shape)}; got key {list(key.shape)}, value "

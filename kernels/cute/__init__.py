@@ -226,7 +226,6 @@ def _compiled(key):
     """The compiled split kernel for one key (d, s, g, hkv, page, num_splits, block_m, block_n, stages, warps,
     q dtype, kv dtype, causal, use_window, use_softcap): block_m 16 is the tensor-core kernel (decode_mma.py),
     1 the CUDA-core one (decode.py). cute.compile also keeps it in the DSL's file cache."""
-    import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import make_ptr

@@ -51,7 +51,6 @@ from cutlass.utils import LayoutEnum
 
 from b12x_inductor.kernels.cute import MLA_BLOCK_M as BLOCK_M
 from b12x_inductor.kernels.cute import MLA_D as D
-from b12x_inductor.kernels.cute import MLA_DV as DV
 from b12x_inductor.kernels.cute import tma, tma_box
 from b12x_inductor.kernels.cute.common import NEG_BIG, LOG2E, PageRow, live_range, split_keys
 from b12x_inductor.kernels.cute.mla import (HALF, RESCALE_LOG2, SLABS, SUM_BAR, MlaSplitKernel, _moved,
