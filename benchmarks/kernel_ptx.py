@@ -58,6 +58,9 @@ def cute_configs():
         ("mla", (2, 8, 1, 1, 64, 2, fp, True, True, fp, 12, 16)),
         ("mla", (1, 16, 64, 4, 64, 5, bf, False, False, f8, 12, 16)),
         ("mla", (1, 16, 16, 1, 64, 5, fp, False, True, f8, 12, 16)),
+        # D 256 extend (Gemma's): 48-key tiles in 3 stages at pages of 16, 32 x 4 at pages of 64 (plan.extend_tiles)
+        ("extend", (256, 2, 16, 4, 4096, 16, False, 48, 3, bf, True, False, False, 132)),
+        ("extend", (256, 2, 16, 2, 700, 64, True, 32, 4, bf, True, True, True, 132)),
     ]
 
 
