@@ -6,12 +6,12 @@ measured with (CUTE_SPLITS). block_m 1 selects the CUDA-core kernel (decode.py),
 one (decode_mma.py), which takes float8 decode once a split spans at least MMA_MIN_SPLIT_KEYS of the keys a
 query can see (Problem.kv_span). Extend: 128 query rows (two consumer warpgroups) and a producer warpgroup,
 128-key tiles (48 or 32 at D 256), as many stages as shared memory holds (extend_tiles, extend_geometry),
-persistent CTAs (one per SM). Absorbed MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per
-SM (MLA_SPLITS); the seesaw kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query rows or more
-per request with long splits (mla_plan), else mla.py (4 stages of 32 keys); a float8 latent cache on mla.py, or
-on the narrow kernel (mla_narrow.py, block_m 16: products transposed, 5 stages of 64 keys) where a request has
-at most 16 query rows. The choices and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL
-kernels", "Session 27", "Session 29", "Session 33", "Session 34" and "Session 36".
+persistent CTAs (one per SM). Absorbed MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about
+one CTA per SM (MLA_SPLITS); the seesaw kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query
+rows or more per request with long splits (mla_plan), else mla.py (4 stages of 32 keys); a float8 latent cache
+on mla.py, or on the narrow kernel (mla_narrow.py, block_m 16: products transposed, 5 stages of 64 keys) where a
+request has at most 16 query rows. The choices and the measurements behind them: benchmarks/results/h200.md,
+"CuTe DSL kernels", "Session 27", "Session 29", "Session 33", "Session 34", "Session 36" and "Session 38".
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def extend_tiles(head_dim: int, page: int) -> tuple[int, int]:
     """extend.py's (block_n, num_stages) for the head dim and page size: EXTEND_TILES; at D 256 32 keys in 4
     stages instead of 48 in 3 where the pages go by TMA in 32-key boxes but not in 48-key ones (pages of 32, 64,
     128, 256 keys: a tile without a box gathers by cp.async, which costs the consumers issue slots). Measured
-    on Gemma's extend row (h200.md, "Session 38"): 48 x 3 1.37x, 32 x 4 1.14x the 64 x 2 tile, pages of 16."""
+    on Gemma's extend row against the 64 x 2 tile (h200.md, "Session 38"): 48 x 3 1.37x at pages of 16, 32 x 4
+    1.12x at pages of 64 (where 48 x 3, by cp.async, was 1.10x)."""
     from b12x_inductor.kernels.cute import tma_box
 
     block_n, stages = EXTEND_TILES[head_dim]
