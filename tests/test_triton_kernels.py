@@ -31,7 +31,7 @@ F8 = torch.float8_e4m3fn
 def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="NHD", dtype=torch.bfloat16,
                 kv_dtype=None, packed=False, lens=None, q_lens=None, kv_start=False, sinks=False, descale=None,
                 seed=0, device="cpu", spare_pages=1, nan_unused=False, key_mask=None, dv=None, v_view=False,
-                split_q=False):
+                split_q=False, window_left=-1):
     """Tensors of one call: caches are views of a combined [num_pages, 2, ...] cache (odd strides), pages in
     random order, fresh random values. `dv`: v's head dim where it differs from d (k and v are then the first
     d and dv columns of the two halves of a [..., max(d, dv)] cache); `v_view`: v is k's first dv columns, the
@@ -40,8 +40,10 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
     (unwritten or evicted memory: a kernel must never let it reach out). `key_mask` "request" ([B, 1,
     capacity]) or "rows" ([B, S, capacity], 4-D q): random holes, one query row (request 0's first) that sees
     no key, and a strided view (every other key column of a wider mask); with nan_unused, slots no row of
-    their request sees are NaN. `split_q` (d 576): the query in two tensors, q its first 512 columns (a slice
-    of a wider buffer) and q_pe the last 64 (a transposed view), as MLA's q_nope and q_pe come."""
+    their request sees are NaN. With nan_unused and `window_left` >= 0 (the call's sliding window, causal
+    rows), so are the slots before the window of the request's first query row. `split_q` (d 576): the query
+    in two tensors, q its first 512 columns (a slice of a wider buffer) and q_pe the last 64 (a transposed
+    view), as MLA's q_nope and q_pe come."""
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
     dv = d if dv is None else dv
@@ -53,6 +55,8 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
     kv = torch.randn((num_pages, 2, *inner), generator=gen) * (2.0 if kv_dtype == F8 else 1.0)
     page_table = torch.randperm(num_pages, generator=gen)[: batch * max_pages].reshape(batch, max_pages)
     starts = [1 + 2 * b if kv_start else 0 for b in range(batch)]
+    if packed:
+        q_lens = q_lens or [min(n, 5 + 3 * b) for b, n in enumerate(lens)]
     mask = None
     if key_mask is not None:
         cap = max_pages * page_size
@@ -61,8 +65,10 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
         mask[0, 0] = False
     if nan_unused:
         live = torch.zeros(num_pages, page_size, dtype=torch.bool)
+        new = q_lens if packed else [q_len] * batch  # query rows of each request
         for b, n in enumerate(lens):
-            j = torch.arange(starts[b], n)
+            first = starts[b] if window_left < 0 else max(starts[b], n - new[b] - window_left)
+            j = torch.arange(first, n)
             if mask is not None:
                 j = j[mask[b, :, j].any(0)]
             live[page_table[b, j // page_size], j % page_size] = True
@@ -76,7 +82,6 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
              kv_start=None, sinks=None, k_descale=None, v_descale=None,
              key_mask=None if mask is None else mask.to(device), q_pe=None)
     if packed:
-        q_lens = q_lens or [min(n, 5 + 3 * b) for b, n in enumerate(lens)]
         cu = [0]
         for n in q_lens:
             cu.append(cu[-1] + n)
@@ -132,6 +137,12 @@ INTERPRETER_CASES = [
     ("decode_fp8_b_hnd", "decode", (1, 16, 16), dict(kv_dtype=F8, descale="b", kv_layout="HND"), dict()),
     ("verify_features", "verify", (3, 16, 16), dict(q_len=4, kv_start=True, sinks=True), dict(window_left=3)),
     ("verify_mtiles_short", "verify", (2, 16, 16), dict(q_len=5, hq=8, hkv=1, lens=[3, 12], page_size=3), dict()),
+    # whole pages per tile (pages of 4 under 16-key tiles, of 32 over them): the range start rounded down to
+    # the alignment, the NaN slots before kv_start and before the window never loaded
+    ("decode_page4_kv_start_nan", "decode", (2, 16, 16), dict(page_size=4, kv_start=True, sinks=True,
+                                                            nan_unused=True, lens=[37, 60]), dict(window_left=6)),
+    ("verify_page32_kv_start_nan", "verify", (2, 16, 16), dict(q_len=3, page_size=32, kv_start=True,
+                                                             nan_unused=True, lens=[70, 45]), dict(window_left=20)),
     ("extend_4d_window", "extend", (1, 16, 16), dict(q_len=18, lens=[18, 30], d=96, sinks=True, kv_start=True),
      dict(window_left=4, softcap=2.0)),
     ("decode_key_mask", "decode", (3, 16, 16), dict(key_mask="request", nan_unused=True, sinks=True), dict()),
@@ -208,7 +219,7 @@ def _run_case(case, device="cpu") -> None:
     from tests.helpers import direct_call
 
     name, mode, (splits, block_m, block_n, *v_from_k), kw, opts = case
-    t = make_inputs(**kw, device=device)
+    t = make_inputs(**kw, device=device, window_left=opts.get("window_left", -1))
     q = t["q"]
     options = dict(kv_layout=kw.get("kv_layout", "NHD"), causal=True, scale=1.1 * q.shape[-1] ** -0.5,
                    window_left=-1, softcap=0.0)
@@ -308,6 +319,10 @@ GPU_CASES = [
     ("decode_fp16_hnd_p1", dict(batch=2, hq=8, hkv=2, d=64, page_size=1, lens=[300, 77], dtype=torch.float16,
                                 kv_layout="HND"), {}),
     ("decode_d96_p5", dict(batch=2, hq=12, hkv=4, d=96, page_size=5, lens=[333, 41]), {}),
+    ("decode_p64_kv_start_window_nan", dict(batch=3, hq=32, hkv=8, d=128, page_size=64, lens=[900, 70, 2000],
+                                            kv_start=True, sinks=True, nan_unused=True), dict(window_left=300)),
+    ("verify_p4_kv_start_window_nan", dict(batch=2, q_len=3, hq=8, hkv=2, d=64, page_size=4, lens=[501, 30],
+                                           kv_start=True, nan_unused=True), dict(window_left=100)),
     ("decode_d192_hnd", dict(batch=2, hq=8, hkv=1, d=192, page_size=16, lens=[513, 90], kv_layout="HND"), {}),
     ("decode_d256_p7", dict(batch=2, hq=16, hkv=2, d=256, page_size=7, lens=[400, 3]), {}),
     ("decode_features", dict(batch=3, hq=16, hkv=4, d=128, page_size=16, lens=[600, 37, 0], kv_start=True,
@@ -410,7 +425,8 @@ def _plan_of(t, options):
 def _gpu_case(name, kw, options):
     """(inputs on the GPU, options with the case's layout) of one GPU_CASES case; the seed follows the name."""
     options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
-    return make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000), options
+    return make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000,
+                       window_left=options.get("window_left", -1)), options
 
 
 @pytest.mark.gpu

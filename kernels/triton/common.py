@@ -70,7 +70,8 @@ def tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, n
          km_rows, km_j,
          BLOCK_N: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
          MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-         DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, BLOCK_DPE: tl.constexpr, V_FROM_K: tl.constexpr):
+         DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, BLOCK_DPE: tl.constexpr, V_FROM_K: tl.constexpr,
+         PAGE_ALIGNED: tl.constexpr):
     """One BLOCK_N-key tile of the online softmax (decode, verify and extend): gathers the tile's K (columns
     offs_d, and offs_pe with BLOCK_DPE > 0) and V (columns offs_dv) through the page table, applies scale,
     softcap and (MASKED) the kv_start / causal / window masks and the tile end `hi`, and returns the updated
@@ -78,10 +79,26 @@ def tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, n
     r visible only where km_rows[r][j * km_j] != 0; offs_n < hi keeps the reads inside the mask's rows, whose
     length is the page table's capacity). EVEN_D / EVEN_DV: the column blocks hold no column past D / DV.
     V_FROM_K: V's tile is K's first column block, not loaded again (the launch has checked that v is k's first
-    DV columns and that DV is that block's width, every column inside D)."""
+    DV columns and that DV is that block's width, every column inside D).
+    PAGE_ALIGNED (MASKED tiles only): j0 is a multiple of min(PAGE, BLOCK_N) and one of PAGE, BLOCK_N divides
+    the other, so the tile spans whole pages (or lies in one): one page id is read per page, not per key, and
+    keys before `start` (the caller rounded its range down to the alignment) are neither loaded nor seen, like
+    those from `hi` on. `start`: keys before it are seen by no row (kv_start, or any later key that no row of
+    the tile sees)."""
     offs_n = j0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
-    if MASKED:
+    if PAGE_ALIGNED:
+        n_ok = n_ok & (offs_n >= start)
+        if PAGE >= BLOCK_N:  # the tile lies in one page; j0 < hi, so that page is inside the table
+            page = page_id(tl.load(pt_row + j0 // PAGE), num_pages)
+        else:  # BLOCK_N // PAGE whole pages, each id broadcast over its PAGE keys
+            NP: tl.constexpr = BLOCK_N // PAGE
+            first = j0 // PAGE + tl.arange(0, NP)
+            ids = page_id(tl.load(pt_row + first, mask=first * PAGE < hi, other=0), num_pages)
+            page = tl.reshape(tl.broadcast_to(ids[:, None], (NP, PAGE)), (BLOCK_N,))
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        v_mask = n_ok[:, None] & dv_ok[None, :]
+    elif MASKED:
         page = page_id(tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0), num_pages)
         kv_mask = n_ok[:, None] & d_ok[None, :]
         v_mask = n_ok[:, None] & dv_ok[None, :]
@@ -90,9 +107,13 @@ def tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, n
         kv_mask = d_ok[None, :]
         v_mask = dv_ok[None, :]
     slot = (offs_n % PAGE).to(tl.int64)
-    k_rows = k_head + page[:, None] * stride_kp + slot[:, None] * stride_ko
+    if PAGE_ALIGNED and PAGE >= BLOCK_N:
+        k_rows = k_head + page * stride_kp + slot[:, None] * stride_ko
+        v_ptrs = v_head + page * stride_vp + slot[:, None] * stride_vo + offs_dv[None, :]
+    else:
+        k_rows = k_head + page[:, None] * stride_kp + slot[:, None] * stride_ko
+        v_ptrs = v_head + page[:, None] * stride_vp + slot[:, None] * stride_vo + offs_dv[None, :]
     k_ptrs = k_rows + offs_d[None, :]
-    v_ptrs = v_head + page[:, None] * stride_vp + slot[:, None] * stride_vo + offs_dv[None, :]
     if HAS_KEY_MASK:
         shown = tl.load(km_rows[:, None] + offs_n[None, :].to(tl.int64) * km_j, mask=n_ok[None, :], other=0) != 0
         v_ok = (tl.max(shown.to(tl.int32), 0) > 0)[:, None] & v_mask
