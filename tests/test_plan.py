@@ -150,10 +150,10 @@ h200 verify 64x2048 S=16     verify  triton splits=1   m=64  n=64  warps=8 stage
 h200 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 h200 packed T=16384          extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 h200 extend D=256            extend  triton splits=1   m=128 n=64  warps=8 stages=2 scratch=0
-h200 swa127 decode 32x4096   decode  triton splits=1   m=16  n=128 warps=4 stages=2 scratch=0
-h200 full decode 32x4096     decode  triton splits=2   m=16  n=128 warps=4 stages=2 scratch=1064960
-h200 swa127 verify 32x4096   verify  triton splits=1   m=32  n=64  warps=4 stages=2 scratch=0
-h200 swa1023 decode 8x16384  decode  triton splits=4   m=16  n=128 warps=4 stages=2 scratch=532480
+h200 swa127 decode 32x4096   decode  triton splits=1   m=16  n=128 warps=4 stages=3 scratch=0
+h200 full decode 32x4096     decode  triton splits=2   m=16  n=128 warps=4 stages=3 scratch=1064960
+h200 swa127 verify 32x4096   verify  triton splits=1   m=32  n=64  warps=4 stages=3 scratch=0
+h200 swa1023 decode 8x16384  decode  triton splits=4   m=16  n=128 warps=4 stages=3 scratch=532480
 h200 mla H128 decode 32x4096 decode  triton splits=2   m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k
 h200 mla H128 own v 32x4096  decode  triton splits=2   m=64  n=32  warps=8 stages=2 scratch=16809984
 h200 mla H128 decode 1x32768 decode  triton splits=64  m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k

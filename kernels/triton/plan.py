@@ -10,8 +10,9 @@ so does decode at D <= 64 with at most 16 query rows per KV head (gpt-oss's 64 a
 of K; 128 keys ran its full-layer decode rows 1.12-1.16x faster, h200.md "Session 37"; larger groups are not
 measured), where verify keeps 64 keys (128 ran 1.15x slower there).
 Decode above D 128 (192, 256) in bf16 / fp16 takes 64-key tiles with 3 stages (76 KB of shared memory at D
-256). Extend: 128 x 128 tiles for D <= 128; above, 128 x 64 with 8 warps on sm90 / sm100 (197 KB of shared
-memory at D 256), 64 x 32 with 4 warps elsewhere.
+256); decode and verify at D <= 64 in bf16 / fp16 take 3 stages as well (gpt-oss's full-layer decode 8x16384
+2 % faster, its other rows level: h200.md, "Session 40"). Extend: 128 x 128 tiles for D <= 128; above, 128 x 64
+with 8 warps on sm90 / sm100 (197 KB of shared memory at D 256), 64 x 32 with 4 warps elsewhere.
 
 The tiles follow the wider of the two head dims, max(D, Dv) (D for plain GQA). Above 256 (MLA's absorbed
 D = 576 / Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take V's tile from K's
@@ -99,6 +100,8 @@ def _plan(problem: Problem) -> Plan:
     stages = 2
     if d > 128 and not fp8 and mode == "decode":  # D 192 / 256 decode: 64-key tiles, 3 stages
         block_n, stages = 64, 3
+    if d <= 64 and not fp8:  # D 64 decode / verify (gpt-oss): 3 stages
+        stages = 3
     splits = num_splits(problem, problem.batch * problem.num_kv_heads * m_tiles)
     return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=block_n,
                 num_warps=4 if block_m <= 32 else 8, num_stages=stages,
