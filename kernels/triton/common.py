@@ -87,19 +87,19 @@ def tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, n
     the tile sees)."""
     offs_n = j0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
-    if PAGE_ALIGNED:
-        n_ok = n_ok & (offs_n >= start)
-        if PAGE >= BLOCK_N:  # the tile lies in one page; j0 < hi, so that page is inside the table
+    ONE_PAGE: tl.constexpr = MASKED and PAGE_ALIGNED and PAGE >= BLOCK_N  # the tile lies in one page
+    if MASKED:
+        if PAGE_ALIGNED:
+            n_ok = n_ok & (offs_n >= start)
+        if ONE_PAGE:  # j0 < hi, so that page is inside the table
             page = page_id(tl.load(pt_row + j0 // PAGE), num_pages)
-        else:  # BLOCK_N // PAGE whole pages, each id broadcast over its PAGE keys
+        elif PAGE_ALIGNED:  # BLOCK_N // PAGE whole pages, each id broadcast over its PAGE keys
             NP: tl.constexpr = BLOCK_N // PAGE
             first = j0 // PAGE + tl.arange(0, NP)
             ids = page_id(tl.load(pt_row + first, mask=first * PAGE < hi, other=0), num_pages)
             page = tl.reshape(tl.broadcast_to(ids[:, None], (NP, PAGE)), (BLOCK_N,))
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        v_mask = n_ok[:, None] & dv_ok[None, :]
-    elif MASKED:
-        page = page_id(tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0), num_pages)
+        else:
+            page = page_id(tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0), num_pages)
         kv_mask = n_ok[:, None] & d_ok[None, :]
         v_mask = n_ok[:, None] & dv_ok[None, :]
     else:
@@ -107,12 +107,12 @@ def tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, n
         kv_mask = d_ok[None, :]
         v_mask = dv_ok[None, :]
     slot = (offs_n % PAGE).to(tl.int64)
-    if PAGE_ALIGNED and PAGE >= BLOCK_N:
-        k_rows = k_head + page * stride_kp + slot[:, None] * stride_ko
-        v_ptrs = v_head + page * stride_vp + slot[:, None] * stride_vo + offs_dv[None, :]
+    if ONE_PAGE:
+        page_col = page  # a scalar
     else:
-        k_rows = k_head + page[:, None] * stride_kp + slot[:, None] * stride_ko
-        v_ptrs = v_head + page[:, None] * stride_vp + slot[:, None] * stride_vo + offs_dv[None, :]
+        page_col = page[:, None]
+    k_rows = k_head + page_col * stride_kp + slot[:, None] * stride_ko
+    v_ptrs = v_head + page_col * stride_vp + slot[:, None] * stride_vo + offs_dv[None, :]
     k_ptrs = k_rows + offs_d[None, :]
     if HAS_KEY_MASK:
         shown = tl.load(km_rows[:, None] + offs_n[None, :].to(tl.int64) * km_j, mask=n_ok[None, :], other=0) != 0
