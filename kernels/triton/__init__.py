@@ -116,7 +116,7 @@ class Descale:
 class Launch:
     """Everything one launch of a plan's kernels takes. Sizes and strides are static; the operands are
     tensors (a run) or their dtypes (`warmup` and compile-only: Triton specializes on dtypes, not values).
-    Absent optional tensors are valid dummy pointers with a zero flag."""
+    Absent optional tensors are valid dummy pointers with a zero flag, which masks every load of them."""
 
     # static sizes
     batch: int

@@ -30,11 +30,19 @@ def _tanh(x):
 
 
 @triton.jit
+def present(flag, like):
+    """An optional tensor's flag (a runtime int) as a mask of `like`'s shape (an int scalar or tensor): its
+    loads read nothing where the flag is 0 (the dummy pointer behind a zero flag may be an output no program
+    has written yet). Built by arithmetic on `like`: Triton's interpreter takes no scalar-and-tensor mask."""
+    return (like * 0 + flag) != 0
+
+
+@triton.jit
 def live_range(SEQLENS, KV_START, has_kv_start, b, max_pages, PAGE: tl.constexpr):
     """(length, start) of request b, clamped: the length to [0, max_pages * PAGE] (the page table's capacity),
     kv_start to [0, length]."""
     length = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), max_pages * PAGE)
-    start = tl.where(has_kv_start != 0, tl.load(KV_START + b), 0)
+    start = tl.load(KV_START + b, mask=present(has_kv_start, b), other=0)
     return length, tl.minimum(tl.maximum(start, 0), length)
 
 

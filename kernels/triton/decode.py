@@ -26,7 +26,7 @@ import triton.language as tl
 
 from b12x_inductor.plan import next_pow2
 
-from .common import LN2, LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, q_rows, tile
+from .common import LN2, LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, present, q_rows, tile
 
 
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
@@ -89,9 +89,10 @@ def split_kernel(
     s_lo = lo + split * chunk
     s_hi = tl.minimum(s_lo + chunk, hi)
 
-    # Absent optional tensors come as valid dummy pointers with zero strides and a zero flag.
-    k_scale = sm_scale * tl.where(has_kds != 0, tl.load(KDS + b * kds_b + h * kds_h), 1.0)
-    v_scale = tl.where(has_vds != 0, tl.load(VDS + b * vds_b + h * vds_h), 1.0)
+    # Absent optional tensors come as valid dummy pointers with zero strides and a zero flag that masks their
+    # loads (a dummy may be an output no program has written yet).
+    k_scale = sm_scale * tl.load(KDS + b * kds_b + h * kds_h, mask=present(has_kds, h), other=1.0)
+    v_scale = tl.load(VDS + b * vds_b + h * vds_h, mask=present(has_vds, h), other=1.0)
 
     k_head = K + h.to(tl.int64) * stride_kh
     v_head = V + h.to(tl.int64) * stride_vh
@@ -112,7 +113,8 @@ def split_kernel(
     safe_l = tl.where(seen, l_i, 1.0)
     out_row = (b * S + tok).to(tl.int64) * HQ + hq
     if NUM_SPLITS == 1:
-        sink = tl.where(has_sinks != 0, tl.load(SINKS + hq, mask=row_ok, other=0.0) * LOG2E, NEG_BIG)
+        sink = tl.load(SINKS + hq, mask=present(has_sinks, hq) & row_ok, other=0.0)
+        sink = tl.where(has_sinks != 0, sink * LOG2E, NEG_BIG)
         o, lse = finish(acc, m_i, l_i, sink, v_scale)
         tl.store(OUT + out_row[:, None] * DV + offs_dv[None, :], o.to(OUT.dtype.element_ty),
                  mask=row_ok[:, None] & dv_ok[None, :])
@@ -157,7 +159,7 @@ def merge_kernel(
     m_f = tl.where(seen, m, 0.0)
     w = tl.exp2(part_l - m_f)
     denom = tl.sum(w, 0)
-    sink = tl.where(has_sinks != 0, tl.load(SINKS + row % HQ) * LOG2E, NEG_BIG)
+    sink = tl.where(has_sinks != 0, tl.load(SINKS + row % HQ, mask=present(has_sinks, row), other=0.0) * LOG2E, NEG_BIG)
     m_new = tl.maximum(m_f, sink)
     w = w * tl.exp2(m_f - m_new)
     denom = denom * tl.exp2(m_f - m_new) + tl.exp2(sink - m_new)

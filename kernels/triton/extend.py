@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, q_rows, tile
+from .common import LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, present, q_rows, tile
 
 
 @triton.jit(do_not_specialize=["CU"] + RUNTIME_ARGS)
@@ -116,8 +116,8 @@ def extend_kernel(
         u0 = lo + n_pre * BLOCK_N
         u1 = u0 + tl.maximum(full_hi - u0, 0) // BLOCK_N * BLOCK_N
 
-        k_scale = sm_scale * tl.where(has_kds != 0, tl.load(KDS + b * kds_b + h * kds_h), 1.0)
-        v_scale = tl.where(has_vds != 0, tl.load(VDS + b * vds_b + h * vds_h), 1.0)
+        k_scale = sm_scale * tl.load(KDS + b * kds_b + h * kds_h, mask=present(has_kds, h), other=1.0)
+        v_scale = tl.load(VDS + b * vds_b + h * vds_h, mask=present(has_vds, h), other=1.0)
         k_head = K + h.to(tl.int64) * stride_kh
         v_head = V + h.to(tl.int64) * stride_vh
         pt_row = PT + b.to(tl.int64) * stride_ptb
@@ -147,7 +147,7 @@ def extend_kernel(
                                   BLOCK_N, PAGE, EVEN_D, EVEN_DV, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT,
                                   HAS_KEY_MASK, BLOCK_DPE, V_FROM_K, False)
 
-        sink = tl.where(has_sinks != 0, tl.load(SINKS + hq) * LOG2E, NEG_BIG)
+        sink = tl.where(has_sinks != 0, tl.load(SINKS + hq, mask=present(has_sinks, hq), other=0.0) * LOG2E, NEG_BIG)
         o, lse = finish(acc, m_i, l_i, sink, v_scale)
         out_row = (row0 + rows) * HQ + hq
         tl.store(OUT + out_row[:, None] * DV + offs_dv[None, :], o.to(OUT.dtype.element_ty),
