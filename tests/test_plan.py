@@ -144,7 +144,7 @@ h200 decode 64x2048          decode  triton splits=1   m=16  n=64  warps=4 stage
 h200 decode 128x1024         decode  triton splits=1   m=16  n=64  warps=4 stages=2 scratch=0
 h200 decode 16x16384         decode  triton splits=4   m=16  n=64  warps=4 stages=2 scratch=1056768
 h200 decode fp8 32x4096      decode  triton splits=2   m=16  n=128 warps=4 stages=2 scratch=1056768
-h200 decode D=256 g=1        decode  triton splits=8   m=16  n=64  warps=4 stages=3 scratch=526336
+h200 decode D=256 g=1        decode  triton splits=8   m=16  n=32  warps=4 stages=4 scratch=526336
 h200 verify 8x8192 S=4       verify  triton splits=8   m=16  n=64  warps=4 stages=2 scratch=4227072
 h200 verify 64x2048 S=16     verify  triton splits=1   m=64  n=64  warps=8 stages=2 scratch=0
 h200 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0

@@ -135,7 +135,7 @@ def test_representative_sets_cover_every_plan_facet():
     for cc in TARGETS:
         chosen, every = representative(cc)
         tiles = {f for f in every if f[0] == "tile"}
-        expected = {80: 16, 89: 20, 90: 21, 100: 21, 120: 20}[cc]
+        expected = {80: 17, 89: 21, 90: 22, 100: 22, 120: 21}[cc]
         assert len(tiles) == expected and len(chosen) <= 22, (cc, len(tiles), len(chosen))
         has_fp8 = any(f[0] == "dtype" and f[2] == F8 for f in every)
         assert has_fp8 == (cc >= 89), cc

@@ -9,8 +9,9 @@ or a sliding window's keys: Problem.kv_span). float8 caches take 128-key tiles (
 so does decode at D <= 64 with at most 16 query rows per KV head (gpt-oss's 64 and 8: a 64-key tile is only 8 KB
 of K; 128 keys ran its full-layer decode rows 1.12-1.16x faster, h200.md "Session 37"; larger groups are not
 measured), where verify keeps 64 keys (128 ran 1.15x slower there).
-Decode above D 128 (192, 256) in bf16 / fp16 takes 64-key tiles with 3 stages (76 KB of shared memory at D
-256); decode and verify at D <= 64 in bf16 / fp16 take 3 stages as well (gpt-oss's full-layer decode 8x16384
+Decode above D 128 (192, 256) in bf16 / fp16 takes 32-key tiles with 4 stages (at D 256: 116 registers and
+41 KB of shared memory, 4 programs an SM, where 64-key tiles in 3 stages took 236 and 76 KB; Gemma's decode rows
+1-4 % faster, h200.md "Session 41"); decode and verify at D <= 64 in bf16 / fp16 take 3 stages as well (gpt-oss's full-layer decode 8x16384
 2 % faster, its other rows level: h200.md, "Session 40"). Extend: 128 x 128 tiles for D <= 128; above, 128 x 64
 with 8 warps on sm90 / sm100 (197 KB of shared memory at D 256), 64 x 32 with 4 warps elsewhere.
 
@@ -98,8 +99,8 @@ def _plan(problem: Problem) -> Plan:
     wide_keys = fp8 or (d <= 64 and mode == "decode" and block_m == 16)  # D 64: measured at 16 rows (gpt-oss)
     block_n = (128 if wide_keys else 64) if d <= 128 else (64 if fp8 else 32)
     stages = 2
-    if d > 128 and not fp8 and mode == "decode":  # D 192 / 256 decode: 64-key tiles, 3 stages
-        block_n, stages = 64, 3
+    if d > 128 and not fp8 and mode == "decode":  # D 192 / 256 decode: 32-key tiles, 4 stages
+        block_n, stages = 32, 4
     if d <= 64 and not fp8:  # D 64 decode / verify (gpt-oss): 3 stages
         stages = 3
     splits = num_splits(problem, problem.batch * problem.num_kv_heads * m_tiles)
