@@ -471,10 +471,9 @@ def test_gpu_v_from_k_matches_reference(name, kw, options):
 @pytest.mark.parametrize("name", ["decode_mla576_fp8_p1_h128", "decode_mla576_h128_q_pe"])
 def test_gpu_wide_mla_is_deterministic_under_a_busy_stream(name):
     """The 64-row MLA tile (two warpgroups, wgmma, K widened from float8 through shared memory in one case)
-    gives bitwise the same output on every run while another stream copies and runs the same kernel, so its
-    shared-memory handoffs do not depend on timing. (compute-sanitizer's memcheck and synccheck perturb this
-    kernel's float8 form into wrong rows while reporting no error, and racecheck finds no hazard: h200.md,
-    "Session 41".)"""
+    gives bitwise the same output on every run while another stream copies and runs the same kernel: a check
+    that its results do not move with timing. (Under compute-sanitizer's memcheck and synccheck the float8 form
+    gives wrong rows while the tools report no error; racecheck finds no hazard: h200.md, "Session 41".)"""
     from tests.helpers import run_family
 
     case = next(c for c in GPU_CASES if c[0] == name)

@@ -11,9 +11,10 @@ of K; 128 keys ran its full-layer decode rows 1.12-1.16x faster, h200.md "Sessio
 measured), where verify keeps 64 keys (128 ran 1.15x slower there).
 Decode above D 128 (192, 256) in bf16 / fp16 takes 32-key tiles with 4 stages (at D 256: 116 registers and
 41 KB of shared memory, 4 programs an SM, where 64-key tiles in 3 stages took 236 and 76 KB; Gemma's decode rows
-1-4 % faster, h200.md "Session 41"); decode and verify at D <= 64 in bf16 / fp16 take 3 stages as well (gpt-oss's full-layer decode 8x16384
-2 % faster, its other rows level: h200.md, "Session 40"). Extend: 128 x 128 tiles for D <= 128; above, 128 x 64
-with 8 warps on sm90 / sm100 (197 KB of shared memory at D 256), 64 x 32 with 4 warps elsewhere.
+1-4 % faster, h200.md "Session 41"); decode and verify at D <= 64 in bf16 / fp16 take 3 stages as well
+(gpt-oss's full-layer decode 8x16384 2 % faster, its other rows level: h200.md, "Session 40"). Extend: 128 x 128
+tiles for D <= 128; above, 128 x 64 with 8 warps on sm90 / sm100 (197 KB of shared memory at D 256), 64 x 32 with
+4 warps elsewhere.
 
 The tiles follow the wider of the two head dims, max(D, Dv) (D for plain GQA). Above 256 (MLA's absorbed
 D = 576 / Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take V's tile from K's
