@@ -8,6 +8,8 @@
   sees has its values replaced by zeros, so whatever the slot holds never reaches a product). q and k have
   head dim D (read as BLOCK_D columns, plus BLOCK_DPE more from column BLOCK_D on where D = 576 = 512 + 64:
   two products, not one 1024-wide), v and the accumulator DV (BLOCK_DV columns).
+- `present` and `sink_logit`: an absent optional tensor is a dummy pointer with a zero flag, which masks its
+  loads (the dummy is never read); the sink logit of a query head, or NEG_BIG without sinks.
 - `finish`: the epilogue of a row's softmax: the sink folded into the denominator, normalized output and
   natural-log lse; a row that saw no key gets zeros and lse = -inf.
 - `RUNTIME_ARGS`: the arguments no kernel specializes on (optional tensors, their flags and strides, the
@@ -35,6 +37,14 @@ def present(flag, like):
     loads read nothing where the flag is 0 (the dummy pointer behind a zero flag may be an output no program
     has written yet). Built by arithmetic on `like`: Triton's interpreter takes no scalar-and-tensor mask."""
     return (like * 0 + flag) != 0
+
+
+@triton.jit
+def sink_logit(SINKS, head, has_sinks):
+    """The sink logit of query head(s) `head` (a scalar or tensor, each < Hq) in the log2 domain, or NEG_BIG
+    where the call has no sinks (the dummy pointer then is not read)."""
+    sink = tl.load(SINKS + head, mask=present(has_sinks, head), other=0.0)
+    return tl.where(has_sinks != 0, sink * LOG2E, NEG_BIG)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from b12x_inductor.plan import next_pow2
 
-from .common import LN2, LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, present, q_rows, tile
+from .common import LN2, NEG_BIG, RUNTIME_ARGS, finish, live_range, present, q_rows, sink_logit, tile
 
 
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
@@ -113,9 +113,7 @@ def split_kernel(
     safe_l = tl.where(seen, l_i, 1.0)
     out_row = (b * S + tok).to(tl.int64) * HQ + hq
     if NUM_SPLITS == 1:
-        sink = tl.load(SINKS + hq, mask=present(has_sinks, hq) & row_ok, other=0.0)
-        sink = tl.where(has_sinks != 0, sink * LOG2E, NEG_BIG)
-        o, lse = finish(acc, m_i, l_i, sink, v_scale)
+        o, lse = finish(acc, m_i, l_i, sink_logit(SINKS, hq, has_sinks), v_scale)  # hq < Hq on every row
         tl.store(OUT + out_row[:, None] * DV + offs_dv[None, :], o.to(OUT.dtype.element_ty),
                  mask=row_ok[:, None] & dv_ok[None, :])
         tl.store(LSE + out_row, lse, mask=row_ok)
@@ -159,7 +157,7 @@ def merge_kernel(
     m_f = tl.where(seen, m, 0.0)
     w = tl.exp2(part_l - m_f)
     denom = tl.sum(w, 0)
-    sink = tl.where(has_sinks != 0, tl.load(SINKS + row % HQ, mask=present(has_sinks, row), other=0.0) * LOG2E, NEG_BIG)
+    sink = sink_logit(SINKS, row % HQ, has_sinks)
     m_new = tl.maximum(m_f, sink)
     w = w * tl.exp2(m_f - m_new)
     denom = denom * tl.exp2(m_f - m_new) + tl.exp2(sink - m_new)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LOG2E, NEG_BIG, RUNTIME_ARGS, finish, live_range, present, q_rows, tile
+from .common import NEG_BIG, RUNTIME_ARGS, finish, live_range, present, q_rows, sink_logit, tile
 
 
 @triton.jit(do_not_specialize=["CU"] + RUNTIME_ARGS)
@@ -147,8 +147,7 @@ def extend_kernel(
                                   BLOCK_N, PAGE, EVEN_D, EVEN_DV, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT,
                                   HAS_KEY_MASK, BLOCK_DPE, V_FROM_K, False)
 
-        sink = tl.where(has_sinks != 0, tl.load(SINKS + hq, mask=present(has_sinks, hq), other=0.0) * LOG2E, NEG_BIG)
-        o, lse = finish(acc, m_i, l_i, sink, v_scale)
+        o, lse = finish(acc, m_i, l_i, sink_logit(SINKS, hq, has_sinks), v_scale)
         out_row = (row0 + rows) * HQ + hq
         tl.store(OUT + out_row[:, None] * DV + offs_dv[None, :], o.to(OUT.dtype.element_ty),
                  mask=row_ok[:, None] & dv_ok[None, :])
