@@ -8,6 +8,7 @@
   sees has its values replaced by zeros, so whatever the slot holds never reaches a product). q and k have
   head dim D (read as BLOCK_D columns, plus BLOCK_DPE more from column BLOCK_D on where D = 576 = 512 + 64:
   two products, not one 1024-wide), v and the accumulator DV (BLOCK_DV columns).
+- `tile_ids`: a tile's page ids (one, one a page, or one a key), which the split kernel reads a tile ahead.
 - `present` and `sink_logit`: an absent optional tensor is a dummy pointer with a zero flag, which masks its
   loads (the dummy is never read); the sink logit of a query head, or NEG_BIG without sinks.
 - `finish`: the epilogue of a row's softmax: the sink folded into the denominator, normalized output and
@@ -83,13 +84,28 @@ def q_rows(q_ptr, pe_ptr, row_ok, offs_d, d_ok, D: tl.constexpr, BLOCK_D: tl.con
 
 
 @triton.jit
+def tile_ids(pt_row, j0, hi, num_pages, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGE_ALIGNED: tl.constexpr):
+    """The page ids of the tile at j0 (keys from hi on read id 0): one scalar where the tile lies in one page,
+    BLOCK_N // PAGE where it spans whole pages (PAGE_ALIGNED), else one a key."""
+    if PAGE_ALIGNED and PAGE >= BLOCK_N:
+        return page_id(tl.load(pt_row + j0 // PAGE, mask=j0 < hi, other=0), num_pages)
+    elif PAGE_ALIGNED:
+        NP: tl.constexpr = BLOCK_N // PAGE
+        first = j0 // PAGE + tl.arange(0, NP)
+        return page_id(tl.load(pt_row + first, mask=first * PAGE < hi, other=0), num_pages)
+    else:
+        offs_n = j0 + tl.arange(0, BLOCK_N)
+        return page_id(tl.load(pt_row + offs_n // PAGE, mask=offs_n < hi, other=0), num_pages)
+
+
+@triton.jit
 def tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, num_pages, stride_kp, stride_ko,
          stride_vp, stride_vo, offs_d, d_ok, offs_pe, pe_ok, offs_dv, dv_ok, k_scale, softcap, window_left,
          km_rows, km_j,
          BLOCK_N: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
          MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
          DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, BLOCK_DPE: tl.constexpr, V_FROM_K: tl.constexpr,
-         PAGE_ALIGNED: tl.constexpr):
+         PAGE_ALIGNED: tl.constexpr, ids, GIVEN_IDS: tl.constexpr):
     """One BLOCK_N-key tile of the online softmax (decode, verify and extend): gathers the tile's K (columns
     offs_d, and offs_pe with BLOCK_DPE > 0) and V (columns offs_dv) through the page table, applies scale,
     softcap and (MASKED) the kv_start / causal / window masks and the tile end `hi`, and returns the updated
@@ -101,23 +117,26 @@ def tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, n
     PAGE_ALIGNED (MASKED tiles only): j0 is a multiple of min(PAGE, BLOCK_N) and one of PAGE, BLOCK_N divides
     the other, so the tile spans whole pages (or lies in one): one page id is read per page, not per key, and
     keys before `start` (the caller rounded its range down to the alignment) are neither loaded nor seen, like
-    those from `hi` on. `start`: keys before it are seen by no row (kv_start, or any later key that no row of
-    the tile sees)."""
+    those from `hi` on. GIVEN_IDS (MASKED tiles only): `ids` are the tile's page ids as `tile_ids(..., j0, hi,
+    ...)` returns them, read by the caller a tile ahead; otherwise the tile reads them itself (and `ids` is
+    unused). With the ids read inside the iteration, Triton's pipeliner takes the K / V loads for indirect and
+    keeps one buffer of each whatever num_stages says. `start`: keys before it are seen by no row (kv_start, or
+    any later key that no row of the tile sees)."""
     offs_n = j0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     ONE_PAGE: tl.constexpr = MASKED and PAGE_ALIGNED and PAGE >= BLOCK_N  # the tile lies in one page
     if MASKED:
         if PAGE_ALIGNED:
             n_ok = n_ok & (offs_n >= start)
+        if not GIVEN_IDS:
+            ids = tile_ids(pt_row, j0, hi, num_pages, BLOCK_N, PAGE, PAGE_ALIGNED)
         if ONE_PAGE:  # j0 < hi, so that page is inside the table
-            page = page_id(tl.load(pt_row + j0 // PAGE), num_pages)
+            page = ids
         elif PAGE_ALIGNED:  # BLOCK_N // PAGE whole pages, each id broadcast over its PAGE keys
             NP: tl.constexpr = BLOCK_N // PAGE
-            first = j0 // PAGE + tl.arange(0, NP)
-            ids = page_id(tl.load(pt_row + first, mask=first * PAGE < hi, other=0), num_pages)
             page = tl.reshape(tl.broadcast_to(ids[:, None], (NP, PAGE)), (BLOCK_N,))
         else:
-            page = page_id(tl.load(pt_row + offs_n // PAGE, mask=n_ok, other=0), num_pages)
+            page = ids
         kv_mask = n_ok[:, None] & d_ok[None, :]
         v_mask = n_ok[:, None] & dv_ok[None, :]
     else:

@@ -9,7 +9,9 @@ otherwise it writes each split's normalized partial output and log2-sum-exp into
 (`merge_kernel`, grid (B * S * Hq, DV column blocks): `merge_launch`) combines them with the sink.
 
 Key j of request b lives at page page_table[b, j // PAGE] offset j % PAGE; the page id is widened to 64 bits
-before it is multiplied by the cache's page stride. NHD and HND differ only in the strides passed.
+before it is multiplied by the cache's page stride. The split kernel reads each tile's page ids one iteration
+ahead, so its K / V copies hang on no load of their own iteration and num_stages - 1 buffers of them stay in
+flight (kernels/triton/plan.py says which tiles take two). NHD and HND differ only in the strides passed.
 
 q and k have head dim D (BLOCK_D columns, plus BLOCK_DPE from column BLOCK_D on for D = 576: q's first BLOCK_D
 columns at Q, the rest at QPE, which is q_pe or Q + BLOCK_D), v, out and the partials the value head dim DV
@@ -26,7 +28,7 @@ import triton.language as tl
 
 from b12x_inductor.plan import next_pow2
 
-from .common import LN2, NEG_BIG, RUNTIME_ARGS, finish, live_range, present, q_rows, sink_logit, tile
+from .common import LN2, NEG_BIG, RUNTIME_ARGS, finish, live_range, present, q_rows, sink_logit, tile, tile_ids
 
 
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
@@ -102,12 +104,17 @@ def split_kernel(
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # The next tile's page ids are read a tile ahead: the K / V addresses hang on a loop-carried value, not on a
+    # load of the same iteration, so Triton's pipeliner takes their loads for direct and buffers them.
+    ids = tile_ids(pt_row, s_lo, s_hi, num_pages, BLOCK_N, PAGE, PAGE_ALIGNED)
     for j0 in range(s_lo, s_hi, BLOCK_N):
+        ids_next = tile_ids(pt_row, j0 + BLOCK_N, s_hi, num_pages, BLOCK_N, PAGE, PAGE_ALIGNED)
         acc, m_i, l_i = tile(acc, m_i, l_i, q, q_pe, j0, s_hi, first, limit, k_head, v_head, pt_row, num_pages,
                               stride_kp, stride_ko, stride_vp, stride_vo, offs_d, d_ok, offs_pe, pe_ok, offs_dv, dv_ok,
                               k_scale, softcap, window_left, km_rows, km_j,
                               BLOCK_N, PAGE, False, False, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT, HAS_KEY_MASK,
-                              BLOCK_DPE, V_FROM_K, PAGE_ALIGNED)
+                              BLOCK_DPE, V_FROM_K, PAGE_ALIGNED, ids, True)
+        ids = ids_next
 
     seen = l_i > 0.0
     safe_l = tl.where(seen, l_i, 1.0)

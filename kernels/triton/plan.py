@@ -5,16 +5,18 @@ Decode/verify are bound by the KV bytes: split-KV programs (B x Hkv x M-tiles x 
 4 per SM (every decode and verify row of the H200 sweep was fastest there, h200.md, "Session 26"), the split
 count a power of two (uneven splits and part waves cost) and at most 128 (one request with 4 KV heads,
 Qwen2-7B's, needs 128 to reach 4 per SM), each split at least 256 of the keys a query can see (the capacity,
-or a sliding window's keys: Problem.kv_span). float8 caches take 128-key tiles (half the bytes per key), and
-so does decode at D <= 64 with at most 16 query rows per KV head (gpt-oss's 64 and 8: a 64-key tile is only 8 KB
-of K; 128 keys ran its full-layer decode rows 1.12-1.16x faster, h200.md "Session 37"; larger groups are not
-measured), where verify keeps 64 keys (128 ran 1.15x slower there).
-Decode above D 128 (192, 256) in bf16 / fp16 takes 32-key tiles with 4 stages (at D 256: 116 registers and
-41 KB of shared memory, 4 programs an SM, where 64-key tiles in 3 stages took 236 and 76 KB; Gemma's decode rows
-1-4 % faster, h200.md "Session 41"); decode and verify at D <= 64 in bf16 / fp16 take 3 stages as well
-(gpt-oss's full-layer decode 8x16384 2 % faster, its other rows level: h200.md, "Session 40"). Extend: 128 x 128
-tiles for D <= 128; above, 128 x 64 with 8 warps on sm90 / sm100 (197 KB of shared memory at D 256), 64 x 32 with
-4 warps elsewhere.
+or a sliding window's keys: Problem.kv_span). float8 caches take 128-key tiles (half the bytes per key).
+The split kernel reads a tile's page ids one tile ahead, so Triton's pipeliner buffers K and V: num_stages - 1
+buffers. With one (2 stages) a tile's copies start only after the previous tile's products have read the
+buffer; with two (3 stages) they run under those products. bf16 / fp16 tiles take two buffers where measured:
+16 query rows a KV head at D 128 on 32-key tiles (38 KB of shared memory and 96 registers on sm90: 5 programs
+an SM), Gemma's D 256 decode on 16-key tiles (41 KB), and D <= 64 (gpt-oss) at every row count on 64-key
+tiles. Against one buffer (the 64-, 32- and 128-key tiles these replaced): D 128 decode and verify level to
+2 % faster, gpt-oss's full-layer verify 10 % faster, Gemma's decode about 1 % (h200.md, "Session 42"; the
+earlier sessions' stage counts, 3 or 4, bought no second buffer while the K / V addresses hung on a page-id
+load of the same iteration). Other tiles keep one buffer (D 128 above 16 rows, D 192 / 256 verify: not measured
+with two). Extend: 128 x 128 tiles for D <= 128; above, 128 x 64 with 8 warps on sm90 / sm100 (197 KB of shared
+memory at D 256), 64 x 32 with 4 warps elsewhere.
 
 The tiles follow the wider of the two head dims, max(D, Dv) (D for plain GQA). Above 256 (MLA's absorbed
 D = 576 / Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take V's tile from K's
@@ -97,13 +99,15 @@ def _plan(problem: Problem) -> Plan:
     rows = problem.q_len * problem.group  # query rows packed per KV head
     block_m = min(max(16, next_pow2(rows)), 64 if d > 128 else 128)
     m_tiles = -(-rows // block_m)
-    wide_keys = fp8 or (d <= 64 and mode == "decode" and block_m == 16)  # D 64: measured at 16 rows (gpt-oss)
-    block_n = (128 if wide_keys else 64) if d <= 128 else (64 if fp8 else 32)
-    stages = 2
-    if d > 128 and not fp8 and mode == "decode":  # D 192 / 256 decode: 32-key tiles, 4 stages
-        block_n, stages = 32, 4
-    if d <= 64 and not fp8:  # D 64 decode / verify (gpt-oss): 3 stages
-        stages = 3
+    block_n = (128 if fp8 else 64) if d <= 128 else (64 if fp8 else 32)
+    stages = 2  # one K / V buffer: a tile's copies start once the previous tile's products have read it
+    if not fp8:  # two buffers (3 stages): the next tile's copies run under this tile's products
+        if d <= 64:  # gpt-oss: every row count
+            stages = 3
+        elif d <= 128 and block_m == 16:  # GQA up to 16 query rows a KV head (Llama, Qwen2, verify S x G <= 16)
+            block_n, stages = 32, 3
+        elif d > 128 and block_m == 16 and mode == "decode":  # Gemma's D 256
+            block_n, stages = 16, 3
     splits = num_splits(problem, problem.batch * problem.num_kv_heads * m_tiles)
     return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=block_n,
                 num_warps=4 if block_m <= 32 else 8, num_stages=stages,
