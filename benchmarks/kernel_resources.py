@@ -24,17 +24,18 @@ OWN_V = dict(v_from_k=False)  # V loaded on its own
 OPT = dict(kv_layout="NHD", causal=True, scale=0.1, window_left=-1, softcap=0.0)
 F8 = torch.float8_e4m3fn
 ROWS = [
-    ("decode 8x8192", dict(GQA, batch=8, q_len=1, max_pages=512), OPT, [{}, dict(block_n=128), dict(num_warps=8)]),
-    ("verify S=4 8x8192", dict(GQA, batch=8, q_len=4, max_pages=512), OPT, [{}]),
+    ("decode 8x8192", dict(GQA, batch=8, q_len=1, max_pages=512), OPT,
+     [{}, dict(block_n=64, num_stages=2), dict(num_warps=8)]),
+    ("verify S=4 8x8192", dict(GQA, batch=8, q_len=4, max_pages=512), OPT, [{}, dict(block_n=64, num_stages=2)]),
     ("decode fp8 32x4096", dict(GQA, batch=32, q_len=1, max_pages=256, kv_dtype=F8), OPT,
      [{}, dict(block_n=64), dict(num_warps=8)]),
     ("extend 4x4096", dict(GQA, batch=4, q_len=4096, max_pages=256), OPT, [{}]),
     ("gpt-oss swa128 decode 32x4096", dict(GQA, num_q_heads=64, head_dim=64, batch=32, q_len=1, max_pages=256),
      dict(OPT, window_left=127), [{}]),
     ("gemma D256 decode 32x4096", dict(GQA, num_q_heads=16, head_dim=256, batch=32, q_len=1, max_pages=256), OPT,
-     [{}, dict(block_n=64)]),
+     [{}, dict(block_n=32, num_stages=2)]),
     ("mla H16 decode 32x4096", dict(MLA, batch=32, q_len=1, max_pages=64), OPT,
-     [{}, OWN_V, dict(num_stages=3), dict(block_n=64)]),
+     [{}, OWN_V, dict(num_stages=2), dict(block_n=64)]),
     ("mla H128 decode 32x4096", dict(MLA, num_q_heads=128, batch=32, q_len=1, max_pages=64), OPT,
      [{}, dict(OWN_V, block_n=32), dict(num_stages=3)]),
     ("mla H16 extend 1x2048", dict(MLA, batch=1, q_len=2048, max_pages=32), OPT,

@@ -157,7 +157,7 @@ h200 swa1023 decode 8x16384  decode  triton splits=4   m=16  n=64  warps=4 stage
 h200 mla H128 decode 32x4096 decode  triton splits=2   m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k
 h200 mla H128 own v 32x4096  decode  triton splits=2   m=64  n=32  warps=8 stages=2 scratch=16809984
 h200 mla H128 decode 1x32768 decode  triton splits=64  m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k
-h200 mla H16 decode 32x4096  decode  triton splits=8   m=16  n=32  warps=4 stages=2 scratch=8404992 v_from_k
+h200 mla H16 decode 32x4096  decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=8404992 v_from_k
 h200 mla H16 verify 32x4096  verify  triton splits=4   m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k
 l40 mla H128 decode 32x4096  decode  triton splits=1   m=16  n=32  warps=4 stages=2 scratch=0 v_from_k
 h200 mla H128 extend 2x512   extend  triton splits=1   m=32  n=16  warps=8 stages=2 scratch=0""")
@@ -225,7 +225,7 @@ mla H128 decode 64x4096      decode  cute   splits=1   m=64  n=64  warps=8 stage
 mla H128 decode 1x32768      decode  cute   splits=64  m=64  n=32  warps=12 stages=4 scratch=16809984 v_from_k
 mla H16 decode 1x32768       decode  cute   splits=128 m=64  n=32  warps=12 stages=4 scratch=4202496 v_from_k
 mla H16 verify 32x4096       verify  cute   splits=4   m=64  n=32  warps=12 stages=4 scratch=16809984 v_from_k
-mla H16 decode page 1        decode  triton splits=8   m=16  n=32  warps=4 stages=2 scratch=8404992 v_from_k
+mla H16 decode page 1        decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=8404992 v_from_k
 mla H16 decode fp8           decode  cute   splits=4   m=16  n=64  warps=12 stages=5 scratch=4202496 v_from_k
 mla H128 extend 2x512        extend  triton splits=1   m=32  n=16  warps=8 stages=2 scratch=0""")
 

@@ -13,11 +13,11 @@ take the Triton family (so no float8 for sm80). That grid reaches about 70 disti
 dtype) kernels per target, each a 1-5 s compile (about 6 min for all five targets on two cores), so each
 target compiles a representative set instead: the fewest Problems (greedy cover) that together reach every
 tile configuration the plans emit (kernel, block_m, block_n, num_warps, num_stages, and whether the tile is
-MLA's 576 wide: 19 decode/verify tiles and 3 extend tiles on sm90 / sm100; 18 and 3 on sm89 / sm120, where
-MLA takes no 64-row tile; 13 and 3 on sm80, whose plans have no float8 and so no 128-key tile), both split-KV
-with its merge kernel and no split, every head-dim pair, every (q, cache) dtype pair the target allows, every
-layout / page size, packed q and every feature set: 22 Problems per target on sm90 / sm100, 21 on sm89 /
-sm120, 16 on sm80, 102 plans (plus their merge kernels) in all, spread over the CPU
+MLA's 576 wide, and whether V is read from K's tile: 22 decode/verify tiles and 3 extend tiles on sm90 /
+sm100; 19 and 3 on sm89 / sm120, where MLA takes no 64-row tile; 14 and 3 on sm80, whose plans have no float8
+and so no 128-key tile), both split-KV with its merge kernel and no split, every head-dim pair, every (q, cache)
+dtype pair the target allows, every layout / page size, packed q and every feature set: 25 Problems per target
+on sm90 / sm100, 22 on sm89 / sm120, 17 on sm80, 111 plans (plus their merge kernels) in all, spread over the CPU
 cores (about 70 s on two, from a cold Triton cache).
 """
 
@@ -61,17 +61,18 @@ def _grid(capability, sm_count):
                                     capability=capability)
                         yield p, (i + j) % len(OPTIONS)
     # MLA: value head dims that differ from the key's (DeepSeek-V3 non-absorbed 192 / 128, absorbed 576 / 512
-    # with one KV head), whose plans take the tiles of max(D, Dv)
+    # with one KV head, its V apart or k_cache's first 512 columns), whose plans take the tiles of max(D, Dv)
     for i, (b, s, packed, m) in enumerate(shapes):
         for j, (d, dv, heads_mla) in enumerate(((192, 128, [(16, 16), (32, 8)]), (576, 512, [(16, 1), (128, 1)]))):
             for hq, hkv in heads_mla:
                 for qd, kd in dtypes:
                     for layout, ps in layouts:
-                        p = Problem(batch=b, q_len=s, packed=packed, max_pages=m, num_q_heads=hq,
-                                    num_kv_heads=hkv, head_dim=d, v_head_dim=dv, page_size=ps, q_dtype=qd,
-                                    kv_dtype=kd, kv_layout=layout, device_type="cuda", sm_count=sm_count,
-                                    capability=capability)
-                        yield p, (i + j) % len(OPTIONS)
+                        for v_in_k in (False, True) if d == 576 else (False,):
+                            p = Problem(batch=b, q_len=s, packed=packed, max_pages=m, num_q_heads=hq,
+                                        num_kv_heads=hkv, head_dim=d, v_head_dim=dv, page_size=ps, q_dtype=qd,
+                                        kv_dtype=kd, kv_layout=layout, device_type="cuda", sm_count=sm_count,
+                                        capability=capability, v_in_k=v_in_k)
+                            yield p, (i + j) % len(OPTIONS)
 
 
 def _facets(problem, plan, opt):
@@ -135,8 +136,8 @@ def test_representative_sets_cover_every_plan_facet():
     for cc in TARGETS:
         chosen, every = representative(cc)
         tiles = {f for f in every if f[0] == "tile"}
-        expected = {80: 16, 89: 21, 90: 22, 100: 22, 120: 21}[cc]
-        assert len(tiles) == expected and len(chosen) <= 22, (cc, len(tiles), len(chosen))
+        expected = {80: 17, 89: 22, 90: 25, 100: 25, 120: 22}[cc]
+        assert len(tiles) == expected and len(chosen) <= 25, (cc, len(tiles), len(chosen))
         has_fp8 = any(f[0] == "dtype" and f[2] == F8 for f in every)
         assert has_fp8 == (cc >= 89), cc
 

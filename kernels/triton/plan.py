@@ -11,11 +11,11 @@ buffers. With one (2 stages) a tile's copies start only after the previous tile'
 buffer; with two (3 stages) they run under those products. bf16 / fp16 tiles take two buffers where measured:
 16 query rows a KV head at D 128 on 32-key tiles (38 KB of shared memory and 96 registers on sm90: 5 programs
 an SM), Gemma's D 256 decode on 16-key tiles (41 KB), and D <= 64 (gpt-oss) at every row count on 64-key
-tiles. Against one buffer (the 64-, 32- and 128-key tiles these replaced): D 128 decode and verify level to
-2 % faster, gpt-oss's full-layer verify 10 % faster, Gemma's decode about 1 % (h200.md, "Session 42"; the
-earlier sessions' stage counts, 3 or 4, bought no second buffer while the K / V addresses hung on a page-id
-load of the same iteration). Other tiles keep one buffer (D 128 above 16 rows, D 192 / 256 verify: not measured
-with two). Extend: 128 x 128 tiles for D <= 128; above, 128 x 64 with 8 warps on sm90 / sm100 (197 KB of shared
+tiles. Against one buffer (the 64-, 32- and 128-key tiles these replaced): D 128 decode and verify 0-4 % faster
+in one process (level across processes), gpt-oss's full-layer verify 10 % faster, Gemma's decode about 1 %
+(h200.md, "Session 42"; the earlier sessions' stage counts, 3 or 4, bought no second buffer while the K / V
+addresses hung on a page-id load of the same iteration). Other tiles keep one buffer (D 128 above 16 rows,
+D 192 / 256 verify: not measured with two). Extend: 128 x 128 tiles for D <= 128; above, 128 x 64 with 8 warps on sm90 / sm100 (197 KB of shared
 memory at D 256), 64 x 32 with 4 warps elsewhere.
 
 The tiles follow the wider of the two head dims, max(D, Dv) (D for plain GQA). Above 256 (MLA's absorbed
@@ -26,7 +26,9 @@ exactly Dv wide, `v_from_k_fits`: MLA's 576 / 512 view; faster on every MLA row)
 rows with 4 warps and 32-key tiles. A 64-row program (a 64 x 512 fp32 accumulator, 221 KB of shared memory)
 is one per SM, so its splits aim at 1 program per SM, and only sm90 / sm100 (227 KB a block) take it: sm80,
 sm89 and sm120 keep 16 rows (56 KB). The 16-row tile's splits aim at 2 programs per SM: each split also
-writes a 16 x 512 fp32 partial. MLA splits stay at most 64 (MLA_MAX_SPLITS). Where v_cache is a separate
+writes a 16 x 512 fp32 partial. On sm90 / sm100 it takes two K buffers (3 stages, 93 KB: two still fit an SM)
+where V comes from K's tile and the cache is bf16 / fp16: 11-14 % faster on MLA's H 16 decode rows at pages of
+one key, the Triton plan's pages on the H200 (h200.md, "Session 42"); the other GPUs fit one such program an SM. MLA splits stay at most 64 (MLA_MAX_SPLITS). Where v_cache is a separate
 tensor, V is loaded on its own and the wide tile takes 32 keys (213 KB). Measured with
 `python -m b12x_inductor.bench mla --variants ...` (h200.md, "MLA"). Extend takes 32 x 16 with 8 warps and
 loads V itself (neither measured yet).
@@ -84,8 +86,10 @@ def _plan(problem: Problem) -> Plan:
         m_tiles = -(-rows // block_m)
         splits = num_splits(problem, problem.batch * problem.num_kv_heads * m_tiles,
                             MLA_WIDE_PROGRAMS_PER_SM if wide else MLA_PROGRAMS_PER_SM, MLA_MAX_SPLITS)
+        # the 16-row bf16 / fp16 tile on sm90 / sm100: two K buffers (93 KB, still 2 programs an SM)
+        stages = 3 if not wide and vk and not fp8 and problem.capability[0] in MLA_WIDE_MAJORS else 2
         return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m,
-                    block_n=64 if wide and vk else 32, num_warps=8 if wide else 4, num_stages=2,
+                    block_n=64 if wide and vk else 32, num_warps=8 if wide else 4, num_stages=stages,
                     scratch_bytes=split_scratch_bytes(problem, splits), v_from_k=vk)
     if mode == "extend":
         if d <= 128:
