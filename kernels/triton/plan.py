@@ -1,37 +1,37 @@
 """The Triton family's plans: tiles and split counts, a pure function of the Problem (select_plan's rule for
 this family; the tiles were measured on the H200, benchmarks/results/h200.md, "Kernels").
 
-Decode/verify are bound by the KV bytes: split-KV programs (B x Hkv x M-tiles x splits) should number about
-4 per SM (every decode and verify row of the H200 sweep was fastest there, h200.md, "Session 26"), the split
-count a power of two (uneven splits and part waves cost) and at most 128 (one request with 4 KV heads,
-Qwen2-7B's, needs 128 to reach 4 per SM), each split at least 256 of the keys a query can see (the capacity,
-or a sliding window's keys: Problem.kv_span). float8 caches take 128-key tiles (half the bytes per key).
-The split kernel reads a tile's page ids one tile ahead, so Triton's pipeliner buffers K and V: num_stages - 1
-buffers. With one (2 stages) a tile's copies start only after the previous tile's products have read the
-buffer; with two (3 stages) they run under those products. bf16 / fp16 tiles take two buffers where measured:
-16 query rows a KV head at D 128 on 32-key tiles (38 KB of shared memory and 96 registers on sm90: 5 programs
-an SM), Gemma's D 256 decode on 16-key tiles (41 KB), and D <= 64 (gpt-oss) at every row count on 64-key
-tiles. Against one buffer (the 64-, 32- and 128-key tiles these replaced): D 128 decode and verify 0-4 % faster
-in one process (level across processes), gpt-oss's full-layer verify 10 % faster, Gemma's decode about 1 %
-(h200.md, "Session 42"; the earlier sessions' stage counts, 3 or 4, bought no second buffer while the K / V
-addresses hung on a page-id load of the same iteration). Other tiles keep one buffer (D 128 above 16 rows,
-D 192 / 256 verify: not measured with two). Extend: 128 x 128 tiles for D <= 128; above, 128 x 64 with 8 warps on sm90 / sm100 (197 KB of shared
-memory at D 256), 64 x 32 with 4 warps elsewhere.
+Decode/verify are bound by the KV bytes: split-KV programs (B x Hkv x M-tiles x splits) should number about 4 per SM
+(every decode and verify row of the H200 sweep was fastest there, h200.md, "Session 26"), the split count a power of
+two (uneven splits and part waves cost) and at most 128 (one request with 4 KV heads, Qwen2-7B's, needs 128 to reach
+4 per SM), each split at least 256 of the keys a query can see (the capacity, or a sliding window's keys:
+Problem.kv_span). float8 caches take 128-key tiles (half the bytes per key). The split kernel reads a tile's page
+ids one tile ahead, so Triton's pipeliner buffers K and V: num_stages - 1 buffers. With one (2 stages) a tile's
+copies start only after the previous tile's products have read the buffer; with two (3 stages) they run under those
+products. bf16 / fp16 tiles take two buffers where measured: 16 query rows a KV head at D 128 on 32-key tiles (38 KB
+of shared memory and 96 registers on sm90: 5 programs an SM), D 192 / 256 decode (Gemma's 256) on 16-key tiles
+(41 KB at 256), and D <= 64 (gpt-oss) at every row count on 64-key tiles. Against one buffer (the 64-, 32- and
+128-key tiles these replaced): D 128 decode and verify 0-4 % faster in one process (level across processes),
+gpt-oss's full-layer verify 10 % faster, Gemma's decode about 1 % (h200.md, "Session 42"; the earlier sessions'
+stage counts, 3 or 4, bought no second buffer while the K / V addresses hung on a page-id load of the same
+iteration). Other tiles keep one buffer (D 128 above 16 rows, D 192 / 256 verify: not measured with two). Extend:
+128 x 128 tiles for D <= 128; above, 128 x 64 with 8 warps on sm90 / sm100 (197 KB of shared memory at D 256), 64 x
+32 with 4 warps elsewhere.
 
-The tiles follow the wider of the two head dims, max(D, Dv) (D for plain GQA). Above 256 (MLA's absorbed
-D = 576 / Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take V's tile from K's
-(v_from_k: one load instead of two, where v_cache is k_cache's first Dv columns and K's first column block is
-exactly Dv wide, `v_from_k_fits`: MLA's 576 / 512 view; faster on every MLA row), and 64 query rows with
-8 warps and 64-key tiles where a KV head has at least 64 rows (H >= 64 decode, H = 16 verify S >= 4), else 16
-rows with 4 warps and 32-key tiles. A 64-row program (a 64 x 512 fp32 accumulator, 221 KB of shared memory)
-is one per SM, so its splits aim at 1 program per SM, and only sm90 / sm100 (227 KB a block) take it: sm80,
-sm89 and sm120 keep 16 rows (56 KB). The 16-row tile's splits aim at 2 programs per SM: each split also
-writes a 16 x 512 fp32 partial. On sm90 / sm100 it takes two K buffers (3 stages, 93 KB: two still fit an SM)
-where V comes from K's tile and the cache is bf16 / fp16: 11-14 % faster on MLA's H 16 decode rows at pages of
-one key, the Triton plan's pages on the H200 (h200.md, "Session 42"); the other GPUs fit one such program an SM. MLA splits stay at most 64 (MLA_MAX_SPLITS). Where v_cache is a separate
-tensor, V is loaded on its own and the wide tile takes 32 keys (213 KB). Measured with
-`python -m b12x_inductor.bench mla --variants ...` (h200.md, "MLA"). Extend takes 32 x 16 with 8 warps and
-loads V itself (neither measured yet).
+The tiles follow the wider of the two head dims, max(D, Dv) (D for plain GQA). Above 256 (MLA's absorbed D = 576 /
+Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take V's tile from K's (v_from_k: one
+load instead of two, where v_cache is k_cache's first Dv columns and K's first column block is exactly Dv wide,
+`v_from_k_fits`: MLA's 576 / 512 view; faster on every MLA row), and 64 query rows with 8 warps and 64-key tiles
+where a KV head has at least 64 rows (H >= 64 decode, H = 16 verify S >= 4), else 16 rows with 4 warps and 32-key
+tiles. A 64-row program (a 64 x 512 fp32 accumulator, 221 KB of shared memory) is one per SM, so its splits aim at 1
+program per SM, and only sm90 / sm100 (227 KB a block) take it: sm80, sm89 and sm120 keep 16 rows (56 KB). The
+16-row tile's splits aim at 2 programs per SM: each split also writes a 16 x 512 fp32 partial. On sm90 / sm100 it
+takes two K buffers (3 stages, 93 KB: two still fit an SM) where V comes from K's tile and the cache is bf16 / fp16:
+11-14 % faster on MLA's H 16 decode rows at pages of one key, the Triton plan's pages on the H200 (h200.md, "Session
+42"); the other GPUs fit one such program an SM. MLA splits stay at most 64 (MLA_MAX_SPLITS). Where v_cache is a
+separate tensor, V is loaded on its own and the wide tile takes 32 keys (213 KB). Measured with `python -m
+b12x_inductor.bench mla --variants ...` (h200.md, "MLA"). Extend takes 32 x 16 with 8 warps and loads V itself
+(neither measured yet).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _plan(problem: Problem) -> Plan:
             stages = 3
         elif d <= 128 and block_m == 16:  # GQA up to 16 query rows a KV head (Llama, Qwen2, verify S x G <= 16)
             block_n, stages = 32, 3
-        elif d > 128 and block_m == 16 and mode == "decode":  # Gemma's D 256
+        elif d > 128 and block_m == 16 and mode == "decode":  # D 192 / 256 (Gemma's 256)
             block_n, stages = 16, 3
     splits = num_splits(problem, problem.batch * problem.num_kv_heads * m_tiles)
     return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=block_n,
