@@ -105,7 +105,7 @@ def tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, n
          BLOCK_N: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
          MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
          DOT: tl.constexpr, HAS_KEY_MASK: tl.constexpr, BLOCK_DPE: tl.constexpr, V_FROM_K: tl.constexpr,
-         PAGE_ALIGNED: tl.constexpr, ids, GIVEN_IDS: tl.constexpr):
+         PAGE_ALIGNED: tl.constexpr, ids):
     """One BLOCK_N-key tile of the online softmax (decode, verify and extend): gathers the tile's K (columns
     offs_d, and offs_pe with BLOCK_DPE > 0) and V (columns offs_dv) through the page table, applies scale,
     softcap and (MASKED) the kv_start / causal / window masks and the tile end `hi`, and returns the updated
@@ -117,25 +117,20 @@ def tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, n
     PAGE_ALIGNED (MASKED tiles only): j0 is a multiple of min(PAGE, BLOCK_N) and one of PAGE, BLOCK_N divides
     the other, so the tile spans whole pages (or lies in one): one page id is read per page, not per key, and
     keys before `start` (the caller rounded its range down to the alignment) are neither loaded nor seen, like
-    those from `hi` on. GIVEN_IDS (MASKED tiles only): `ids` are the tile's page ids as `tile_ids(..., j0, hi,
-    ...)` returns them, read by the caller a tile ahead; otherwise the tile reads them itself (and `ids` is
-    unused). With the ids read inside the iteration, Triton's pipeliner takes the K / V loads for indirect and
-    keeps one buffer of each whatever num_stages says. `start`: keys before it are seen by no row (kv_start, or
-    any later key that no row of the tile sees)."""
+    those from `hi` on. `ids` (MASKED tiles only; unused otherwise): the tile's page ids, `tile_ids(..., j0, hi,
+    ...)`. The split kernel reads them a tile ahead; read inside the same iteration (extend), Triton's pipeliner
+    takes the K / V loads for indirect and keeps one buffer of each whatever num_stages says. `start`: keys
+    before it are seen by no row (kv_start, or any later key that no row of the tile sees)."""
     offs_n = j0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     ONE_PAGE: tl.constexpr = MASKED and PAGE_ALIGNED and PAGE >= BLOCK_N  # the tile lies in one page
     if MASKED:
         if PAGE_ALIGNED:
             n_ok = n_ok & (offs_n >= start)
-        if not GIVEN_IDS:
-            ids = tile_ids(pt_row, j0, hi, num_pages, BLOCK_N, PAGE, PAGE_ALIGNED)
-        if ONE_PAGE:  # j0 < hi, so that page is inside the table
-            page = ids
-        elif PAGE_ALIGNED:  # BLOCK_N // PAGE whole pages, each id broadcast over its PAGE keys
+        if PAGE_ALIGNED and not ONE_PAGE:  # BLOCK_N // PAGE whole pages, each id broadcast over its PAGE keys
             NP: tl.constexpr = BLOCK_N // PAGE
             page = tl.reshape(tl.broadcast_to(ids[:, None], (NP, PAGE)), (BLOCK_N,))
-        else:
+        else:  # one id (the tile lies in one page) or one a key
             page = ids
         kv_mask = n_ok[:, None] & d_ok[None, :]
         v_mask = n_ok[:, None] & dv_ok[None, :]

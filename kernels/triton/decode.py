@@ -113,7 +113,7 @@ def split_kernel(
                               stride_kp, stride_ko, stride_vp, stride_vo, offs_d, d_ok, offs_pe, pe_ok, offs_dv, dv_ok,
                               k_scale, softcap, window_left, km_rows, km_j,
                               BLOCK_N, PAGE, False, False, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT, HAS_KEY_MASK,
-                              BLOCK_DPE, V_FROM_K, PAGE_ALIGNED, ids, True)
+                              BLOCK_DPE, V_FROM_K, PAGE_ALIGNED, ids)
         ids = ids_next
 
     seen = l_i > 0.0

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import NEG_BIG, RUNTIME_ARGS, finish, live_range, present, q_rows, sink_logit, tile
+from .common import NEG_BIG, RUNTIME_ARGS, finish, live_range, present, q_rows, sink_logit, tile, tile_ids
 
 
 @triton.jit(do_not_specialize=["CU"] + RUNTIME_ARGS)
@@ -133,19 +133,21 @@ def extend_kernel(
                                   stride_kp, stride_ko, stride_vp, stride_vo, offs_d, d_ok, offs_pe, pe_ok, offs_dv,
                                   dv_ok, k_scale, softcap, window_left, km_rows, km_j,
                                   BLOCK_N, PAGE, EVEN_D, EVEN_DV, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT,
-                                  HAS_KEY_MASK, BLOCK_DPE, V_FROM_K, False, 0, False)
+                                  HAS_KEY_MASK, BLOCK_DPE, V_FROM_K, False,
+                                  tile_ids(pt_row, j0, hi, num_pages, BLOCK_N, PAGE, False))
         for j0 in range(u0, u1, BLOCK_N):
             acc, m_i, l_i = tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, num_pages,
                                   stride_kp, stride_ko, stride_vp, stride_vo, offs_d, d_ok, offs_pe, pe_ok, offs_dv,
                                   dv_ok, k_scale, softcap, window_left, km_rows, km_j,
                                   BLOCK_N, PAGE, EVEN_D, EVEN_DV, False, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT,
-                                  HAS_KEY_MASK, BLOCK_DPE, V_FROM_K, False, 0, False)
+                                  HAS_KEY_MASK, BLOCK_DPE, V_FROM_K, False, 0)
         for j0 in range(tl.maximum(u1, lo), hi, BLOCK_N):
             acc, m_i, l_i = tile(acc, m_i, l_i, q, q_pe, j0, hi, start, limit, k_head, v_head, pt_row, num_pages,
                                   stride_kp, stride_ko, stride_vp, stride_vo, offs_d, d_ok, offs_pe, pe_ok, offs_dv,
                                   dv_ok, k_scale, softcap, window_left, km_rows, km_j,
                                   BLOCK_N, PAGE, EVEN_D, EVEN_DV, True, CAUSAL, USE_WINDOW, USE_SOFTCAP, DOT,
-                                  HAS_KEY_MASK, BLOCK_DPE, V_FROM_K, False, 0, False)
+                                  HAS_KEY_MASK, BLOCK_DPE, V_FROM_K, False,
+                                  tile_ids(pt_row, j0, hi, num_pages, BLOCK_N, PAGE, False))
 
         o, lse = finish(acc, m_i, l_i, sink_logit(SINKS, hq, has_sinks), v_scale)
         out_row = (row0 + rows) * HQ + hq
