@@ -477,8 +477,9 @@ def test_gpu_wide_mla_is_deterministic_under_a_busy_stream(name):
     from tests.helpers import run_family
 
     case = next(c for c in GPU_CASES if c[0] == name)
-    t, options = _gpu_case(name, case[1], case[2] if len(case) > 2 else {})
-    t2, _ = _gpu_case(name, case[1], case[2] if len(case) > 2 else {})
+    case_options = case[2] if len(case) > 2 else {}
+    t, options = _gpu_case(name, case[1], case_options)
+    t2, _ = _gpu_case(name, case[1], case_options)  # the side stream's own inputs and outputs
     out0, lse0, plan, call = run_family(t, options, "triton")
     assert plan.block_m == 64, f"{name}: meant to run the 64-row tile, got {plan}"
     torch.cuda.synchronize()
@@ -498,6 +499,7 @@ def test_gpu_wide_mla_is_deterministic_under_a_busy_stream(name):
         call()
         torch.cuda.current_stream().wait_stream(side)
         assert torch.equal(out0, first[0]) and torch.equal(lse0, first[1]), f"{name}: run {i} differs"
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["decode", "verify", "extend_packed"])
