@@ -41,6 +41,9 @@ def table() -> str:
         _row("h200 decode D=256 g=1", batch=8, q_len=1, max_pages=512, head_dim=256, num_q_heads=8, **H200),
         _row("h200 verify 8x8192 S=4", batch=8, q_len=4, max_pages=512, **H200),
         _row("h200 verify 64x2048 S=16", batch=64, q_len=16, max_pages=128, **H200),
+        # 8 query heads a KV head (Llama-3-70B): 32 rows at S=4, a tile that holds two programs an SM
+        _row("h200 verify G=8 32x4096 S=4", batch=32, q_len=4, max_pages=256, num_q_heads=64, **H200),
+        _row("h200 verify G=8 8x8192 S=8", batch=8, q_len=8, max_pages=512, num_q_heads=64, **H200),
         _row("h200 extend 4x4096", batch=4, q_len=4096, max_pages=256, **H200),
         _row("h200 packed T=16384", batch=1, q_len=16384, packed=True, max_pages=1024, **H200),
         _row("h200 extend D=256", batch=2, q_len=512, max_pages=64, head_dim=256, **H200),
@@ -143,10 +146,12 @@ h200 decode 32x4096          decode  triton splits=2   m=16  n=32  warps=4 stage
 h200 decode 64x2048          decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
 h200 decode 128x1024         decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
 h200 decode 16x16384         decode  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=1056768
-h200 decode fp8 32x4096      decode  triton splits=2   m=16  n=128 warps=4 stages=2 scratch=1056768
+h200 decode fp8 32x4096      decode  triton splits=1   m=16  n=128 warps=4 stages=3 scratch=0
 h200 decode D=256 g=1        decode  triton splits=8   m=16  n=16  warps=4 stages=3 scratch=526336
 h200 verify 8x8192 S=4       verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=4227072
-h200 verify 64x2048 S=16     verify  triton splits=1   m=64  n=64  warps=8 stages=2 scratch=0
+h200 verify 64x2048 S=16     verify  triton splits=1   m=64  n=64  warps=8 stages=3 scratch=0
+h200 verify G=8 32x4096 S=4  verify  triton splits=1   m=32  n=64  warps=4 stages=3 scratch=0
+h200 verify G=8 8x8192 S=8   verify  triton splits=4   m=64  n=64  warps=8 stages=3 scratch=8454144
 h200 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 h200 packed T=16384          extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 h200 extend D=256            extend  triton splits=1   m=128 n=64  warps=8 stages=2 scratch=0
@@ -175,22 +180,22 @@ a100 verify 8x8192 S=4       verify  triton splits=4   m=16  n=32  warps=4 stage
 a100 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 a100 extend fp8 1x16384      extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
 l40 decode 8x8192            decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=1056768
-l40 decode fp8 32x4096       decode  triton splits=2   m=16  n=128 warps=4 stages=2 scratch=1056768
+l40 decode fp8 32x4096       decode  triton splits=1   m=16  n=128 warps=4 stages=3 scratch=0
 l40 verify 8x8192 S=4        verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=4227072
 l40 extend 4x4096            extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 l40 extend fp8 1x16384       extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 b200 decode 8x8192           decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=1056768
-b200 decode fp8 32x4096      decode  triton splits=2   m=16  n=128 warps=4 stages=2 scratch=1056768
+b200 decode fp8 32x4096      decode  triton splits=1   m=16  n=128 warps=4 stages=3 scratch=0
 b200 verify 8x8192 S=4       verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=4227072
 b200 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 b200 extend fp8 1x16384      extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 rtx5090 decode 8x8192        decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=1056768
-rtx5090 decode fp8 32x4096   decode  triton splits=2   m=16  n=128 warps=4 stages=2 scratch=1056768
+rtx5090 decode fp8 32x4096   decode  triton splits=1   m=16  n=128 warps=4 stages=3 scratch=0
 rtx5090 verify 8x8192 S=4    verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=4227072
 rtx5090 extend 4x4096        extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 rtx5090 extend fp8 1x16384   extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 spark decode 8x8192          decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=264192
-spark decode fp8 32x4096     decode  triton splits=1   m=16  n=128 warps=4 stages=2 scratch=0
+spark decode fp8 32x4096     decode  triton splits=1   m=16  n=128 warps=4 stages=3 scratch=0
 spark verify 8x8192 S=4      verify  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=1056768
 spark extend 4x4096          extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 spark extend fp8 1x16384     extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0""")
@@ -208,11 +213,11 @@ fp8 decode 32x4096           decode  cute   splits=4   m=16  n=128 warps=4 stage
 fp8 decode 64x2048           decode  cute   splits=2   m=16  n=128 warps=4 stages=2 scratch=2113536
 fp8 decode 128x1024          decode  cute   splits=1   m=16  n=128 warps=4 stages=2 scratch=2113536
 fp8 decode 16x16384          decode  cute   splits=8   m=16  n=128 warps=4 stages=2 scratch=2113536
-fp8 decode D=64 HND p=1      decode  triton splits=2   m=16  n=128 warps=4 stages=2 scratch=133120
-fp8 decode D=96              decode  triton splits=8   m=16  n=128 warps=4 stages=2 scratch=794624
-fp8 decode G=8               decode  triton splits=8   m=16  n=128 warps=4 stages=2 scratch=2113536
+fp8 decode D=64 HND p=1      decode  triton splits=2   m=16  n=128 warps=4 stages=3 scratch=133120
+fp8 decode D=96              decode  triton splits=4   m=16  n=128 warps=4 stages=3 scratch=397312
+fp8 decode G=8               decode  triton splits=4   m=16  n=128 warps=4 stages=3 scratch=1056768
 fp8 decode sm80              decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-fp8 verify 8x8192 S=4        verify  triton splits=8   m=16  n=128 warps=4 stages=2 scratch=4227072
+fp8 verify 8x8192 S=4        verify  triton splits=4   m=16  n=128 warps=4 stages=3 scratch=2113536
 bf16 decode 32x4096          decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=1056768
 bf16 extend 1x16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
 bf16 packed T=16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0

@@ -136,8 +136,8 @@ def test_representative_sets_cover_every_plan_facet():
     for cc in TARGETS:
         chosen, every = representative(cc)
         tiles = {f for f in every if f[0] == "tile"}
-        expected = {80: 17, 89: 22, 90: 25, 100: 25, 120: 22}[cc]
-        assert len(tiles) == expected and len(chosen) <= 25, (cc, len(tiles), len(chosen))
+        expected = {80: 14, 89: 19, 90: 22, 100: 22, 120: 19}[cc]
+        assert len(tiles) == expected and len(chosen) <= 22, (cc, len(tiles), len(chosen))
         has_fp8 = any(f[0] == "dtype" and f[2] == F8 for f in every)
         assert has_fp8 == (cc >= 89), cc
 

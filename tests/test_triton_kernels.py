@@ -342,6 +342,18 @@ GPU_CASES = [
                                 descale="bh", dtype=torch.float16), {}),
     ("verify_s4", dict(batch=3, q_len=4, hq=32, hkv=8, d=128, page_size=16, lens=[800, 4, 2])),
     ("verify_s16_g8", dict(batch=2, q_len=16, hq=64, hkv=8, d=128, page_size=16, lens=[500, 31])),
+    # 32 and 64 query rows a KV head (Llama-70B's group of 8 at S 4 / 8): 64-key tiles in two buffers
+    ("verify_s4_g8_nan_sinks", dict(batch=3, q_len=4, hq=64, hkv=8, d=128, page_size=16, lens=[1500, 9, 700],
+                                    nan_unused=True, sinks=True)),
+    ("verify_s8_g8_window", dict(batch=2, q_len=8, hq=64, hkv=8, d=128, page_size=16, lens=[1200, 20],
+                                 kv_start=True, nan_unused=True), dict(window_left=500)),
+    # float8 at 32 and 64 rows (two buffers; 64-key tiles at D 64 and 64 rows)
+    ("verify_fp8_g8_d64", dict(batch=2, q_len=4, hq=16, hkv=2, d=64, page_size=16, lens=[1000, 33], kv_dtype=F8,
+                               descale="b", nan_unused=True, sinks=True)),
+    ("verify_fp8_s8_g8_d64", dict(batch=2, q_len=8, hq=16, hkv=2, d=64, page_size=16, lens=[900, 70],
+                                  kv_dtype=F8, descale="bh", nan_unused=True)),
+    ("verify_fp8_s8_g8_hnd", dict(batch=2, q_len=8, hq=16, hkv=2, d=128, page_size=16, lens=[1100, 12],
+                                  kv_dtype=F8, descale="scalar", kv_layout="HND", nan_unused=True, kv_start=True)),
     ("verify_features_hnd", dict(batch=2, q_len=3, hq=8, hkv=2, d=128, page_size=3, lens=[260, 20],
                                  kv_layout="HND", kv_start=True, sinks=True), dict(window_left=7, softcap=10.0)),
     ("verify_fp8_d256", dict(batch=2, q_len=5, hq=8, hkv=2, d=256, page_size=16, lens=[300, 40], kv_dtype=F8,

@@ -5,18 +5,22 @@ Decode/verify are bound by the KV bytes: split-KV programs (B x Hkv x M-tiles x 
 (every decode and verify row of the H200 sweep was fastest there, h200.md, "Session 26"), the split count a power of
 two (uneven splits and part waves cost) and at most 128 (one request with 4 KV heads, Qwen2-7B's, needs 128 to reach
 4 per SM), each split at least 256 of the keys a query can see (the capacity, or a sliding window's keys:
-Problem.kv_span). float8 caches take 128-key tiles (half the bytes per key). The split kernel reads a tile's page
-ids one tile ahead, so Triton's pipeliner buffers K and V: num_stages - 1 buffers. With one (2 stages) a tile's
-copies start only after the previous tile's products have read the buffer; with two (3 stages) they run under those
-products. bf16 / fp16 tiles take two buffers where measured: 16 query rows a KV head at D 128 on 32-key tiles (38 KB
-of shared memory and 96 registers on sm90: 5 programs an SM), D 192 / 256 decode (Gemma's 256) on 16-key tiles
-(41 KB at 256), and D <= 64 (gpt-oss) at every row count on 64-key tiles. Against one buffer (the 64-, 32- and
-128-key tiles these replaced): D 128 decode and verify 0-4 % faster in one process (level across processes),
-gpt-oss's full-layer verify 10 % faster, Gemma's decode about 1 % (h200.md, "Session 42"; the earlier sessions'
-stage counts, 3 or 4, bought no second buffer while the K / V addresses hung on a page-id load of the same
-iteration). Other tiles keep one buffer (D 128 above 16 rows, D 192 / 256 verify: not measured with two). Extend:
-128 x 128 tiles for D <= 128; above, 128 x 64 with 8 warps on sm90 / sm100 (197 KB of shared memory at D 256), 64 x
-32 with 4 warps elsewhere.
+Problem.kv_span). Two-buffer tiles of which an sm90 SM holds at most two programs (float8 tiles, by registers;
+D 128 tiles above 16 rows, by shared memory) aim at 2 per SM instead: at 4 their programs made two waves (1.0-1.15x
+faster on every row measured, h200.md, "Session 43"). float8 caches take 128-key tiles (half the bytes per key). The split
+kernel reads a tile's page ids one tile ahead, so Triton's pipeliner buffers K and V: num_stages - 1 buffers. With
+one (2 stages) a tile's copies start only after the previous tile's products have read the buffer; with two (3
+stages) they run under those products. Two buffers are the rule: 16 query rows a KV head at D 128 on 32-key tiles
+(38 KB of shared memory and 96 registers on sm90: 5 programs an SM), 32 and 64 rows on 64-key tiles, 128 rows on
+32-key tiles; D 192 / 256 (Gemma's 256) at 16 rows on 16-key tiles (41 KB at 256); D <= 64 (gpt-oss) at every row
+count on 64-key tiles; float8 tiles up to 32 rows on their 128-key (64 above D 128) tiles, and above 32 rows at
+D <= 128 on sm90 / sm100 (64-key tiles at D 64; sm89 / sm120 spill registers there, so they keep one buffer).
+Against one buffer: D 128 decode and verify at 16 rows 0-4 % faster in one process (level across processes),
+gpt-oss's full-layer verify 10 % (h200.md, "Session 42"); 32-128 rows (Llama-3-70B's group of 8 at S = 4 / 8 / 16)
+1.12-1.39x, float8 1.03-1.24x (h200.md, "Session 43"; the earlier sessions' stage counts, 3 or 4, bought no
+second buffer while the K / V addresses hung on a page-id load of the same iteration). D 192 / 256 above 16 rows
+keep one buffer (not measured with two). Extend: 128 x 128 tiles for D <= 128; above, 128 x 64 with 8 warps on
+sm90 / sm100 (197 KB of shared memory at D 256), 64 x 32 with 4 warps elsewhere.
 
 The tiles follow the wider of the two head dims, max(D, Dv) (D for plain GQA). Above 256 (MLA's absorbed D = 576 /
 Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take V's tile from K's (v_from_k: one
@@ -44,6 +48,7 @@ MLA_PROGRAMS_PER_SM = 2  # MLA's 16-row tile: each split also writes 16 x 512 fp
 MLA_WIDE_PROGRAMS_PER_SM = 1
 MLA_WIDE_MAJORS = (9, 10)  # its 221 KB of shared memory (bf16, sm90) fit the 227 KB a block has on sm90/sm100
 WIDE_EXTEND_MAJORS = (9, 10)  # extend above D 128 (Gemma's 256): the 128 x 64 tile needs sm90 / sm100's 227 KB
+FP8_WIDE_MAJORS = (9, 10)  # float8 tiles above 32 rows take two buffers here (elsewhere they spill registers)
 MLA_MAX_SPLITS = 64  # MLA decode/verify: 128 splits make two waves of one-per-SM programs at H128 1x32768
 
 
@@ -105,14 +110,22 @@ def _plan(problem: Problem) -> Plan:
     m_tiles = -(-rows // block_m)
     block_n = (128 if fp8 else 64) if d <= 128 else (64 if fp8 else 32)
     stages = 2  # one K / V buffer: a tile's copies start once the previous tile's products have read it
-    if not fp8:  # two buffers (3 stages): the next tile's copies run under this tile's products
-        if d <= 64:  # gpt-oss: every row count
+    # two buffers (3 stages): the next tile's copies run under this tile's products
+    if fp8:  # above 32 rows only at D <= 128 on sm90 / sm100 (measured on sm90; sm89 / sm120 spill there)
+        if block_m <= 32 or (d <= 128 and problem.capability[0] in FP8_WIDE_MAJORS):
             stages = 3
-        elif d <= 128 and block_m == 16:  # GQA up to 16 query rows a KV head (Llama, Qwen2, verify S x G <= 16)
-            block_n, stages = 32, 3
-        elif d > 128 and block_m == 16 and mode == "decode":  # D 192 / 256 (Gemma's 256)
-            block_n, stages = 16, 3
-    splits = num_splits(problem, problem.batch * problem.num_kv_heads * m_tiles)
+            block_n = 64 if d <= 64 and block_m >= 64 else block_n
+    elif d <= 64:  # gpt-oss: every row count
+        stages = 3
+    elif d <= 128:  # GQA at D 128: 32-key tiles at 16 and 128 rows a KV head, 64-key ones at 32 and 64
+        block_n, stages = (64 if block_m in (32, 64) else 32), 3
+    elif block_m == 16:  # D 192 / 256 (Gemma's 256) up to 16 rows
+        block_n, stages = 16, 3
+    # two-buffer tiles of which an sm90 SM holds at most two programs (registers or shared memory): their splits
+    # aim at two an SM, so that the programs make one wave where they can
+    two_per_sm = stages == 3 and (fp8 or (64 < d <= 128 and block_m >= 32))
+    splits = num_splits(problem, problem.batch * problem.num_kv_heads * m_tiles, 2 if two_per_sm else
+                        SPLIT_RULE["programs_per_sm"])
     return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=block_n,
                 num_warps=4 if block_m <= 32 else 8, num_stages=stages,
                 scratch_bytes=split_scratch_bytes(problem, splits))
