@@ -25,6 +25,7 @@ MODEL_LABELS = [
     "gpt-oss full decode 32x4096", "gpt-oss full decode 8x16384", "gpt-oss full verify 32x4096",
     "gemma D256 decode 32x4096", "gemma D256 decode 8x8192", "gemma D256 extend 4x4096",
     "qwen2 gqa7 decode 32x4096", "qwen2 gqa7 decode 8x8192", "qwen2 gqa7 decode 1x32768",
+    "llama3-70b gqa8 decode 32x4096", "llama3-70b gqa8 verify 32x4096",
 ]
 
 
@@ -66,11 +67,11 @@ def test_model_rows():
     assert not any(r.shape.sinks for r in nosinks) and nosinks[0].shape.window_left == 127
     with pytest.raises(ValueError, match="unknown --rows"):
         kernels.build_rows(["decode", "model"])
-    assert kernels.MODELS == ("gpt-oss", "gemma", "qwen2")
+    assert kernels.MODELS == ("gpt-oss", "gemma", "qwen2", "llama3-70b")
     only = kernels.build_rows(["decode", "models", "nosinks"], models=["gpt-oss"])  # default rows stay
     assert [r.label for r in only] == (DEFAULT_LABELS[:6] + MODEL_LABELS[:6]
                                        + [f"{x} (no sinks)" for x in MODEL_LABELS[:6]])
-    assert [r.label for r in kernels.build_rows(["models"], models=["qwen2", "gemma"])] == MODEL_LABELS[6:]
+    assert [r.label for r in kernels.build_rows(["models"], models=["qwen2", "gemma"])] == MODEL_LABELS[6:12]
     with pytest.raises(ValueError, match="unknown --models"):
         kernels.build_rows(["models"], models=["llama"])
 
@@ -84,7 +85,7 @@ def test_dry_run_main(cpu_bench, tmp_path):
     rows = {r["row"]: r for r in doc["rows"]}
     expected = [r.label for r in kernels.build_rows(["models", "verify"], sizes=(2, 256))]
     assert list(rows) == expected and "verify 2x256" in rows and "gpt-oss swa128 decode 2x256" in rows
-    assert len(expected) == 8  # the model rows' sizes collapse onto 2x256: one row per model shape and mode
+    assert len(expected) == 10  # the model rows' sizes collapse onto 2x256: one row per model shape and mode
     for label, r in rows.items():
         ours = r["impls"]["b12x"]
         assert ours["us"] > 0 and ours["max_err"] < 0.05 and ours["method"] == "wall (cpu dry run)", label
@@ -101,6 +102,7 @@ def test_dry_run_main(cpu_bench, tmp_path):
     gemma = rows["gemma D256 extend 2x256"]
     assert gemma["q_len"] == 256 and "tflops" in gemma["impls"]["b12x"]
     assert rows["qwen2 gqa7 decode 2x256"]["shape"]["hq"] == 28
+    assert rows["llama3-70b gqa8 verify 2x256"]["q_len"] == 4
     assert rows["verify 2x256"]["model"] == "" and rows["verify 2x256"]["shape"]["d"] == 128
     assert doc["shape"] == dict(hq=32, hkv=8, d=128, page_size=16)
 

@@ -9,7 +9,9 @@ Rows (bf16, random page order; each row carries its Shape: Hq, Hkv, D, page size
   sliding-window layers ("gpt-oss swa128": window 128, i.e. window_left=127, a query sees itself and the 127
   keys before) and its full layers ("gpt-oss full"), each in decode 32x4096 and 8x16384 and verify S=4 32x4096;
   Gemma 2/3 9B-12B class ("gemma D256": Hq 16, Hkv 8, D 256) decode 32x4096, 8x8192 and extend 4x4096 (full
-  causal prefill); Qwen2-7B ("qwen2 gqa7": Hq 28, Hkv 4, D 128) decode 32x4096, 8x8192, 1x32768.
+  causal prefill); Qwen2-7B ("qwen2 gqa7": Hq 28, Hkv 4, D 128) decode 32x4096, 8x8192, 1x32768; Llama-3-70B
+  class ("llama3-70b gqa8": Hq 64, Hkv 8, D 128, one GPU's share at tensor parallelism 1) decode and verify S=4
+  32x4096.
 - nosinks (not in the default --rows): the gpt-oss rows without sinks, labelled "(no sinks)", so FlashInfer's
   plain decode/prefill wrappers can be compared on the window alone.
 The sinks are drawn around log(keys a decode query sees) so that they carry a good part of the softmax mass:
@@ -32,7 +34,7 @@ plus q read and out written), extend rows TFLOP/s over the causal triangle (with
 sees). Prints a progress line per row, then writes JSON (each row with its model tag and shape) and a PNG chart.
 
 Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8,models (default; also nosinks),
---models gpt-oss,gemma,qwen2 (the model rows of these models only; default all),
+--models gpt-oss,gemma,qwen2,llama3-70b (the model rows of these models only; default all),
 --peers sdpa,flex,flashinfer (default all importable), --families triton,cute (each family's own plan side by
 side), --variants (tuning: other plan constants), --head-dim (D of the default rows, default 128), --page-size
 (keys per page of every row, default 16), --extend-rows (other default extend rows, 'BxL[:S],...': S new tokens
@@ -92,6 +94,7 @@ GPT_OSS_SWA = Shape(hq=64, hkv=8, d=64, window_left=127, sinks=True)  # gpt-oss-
 GPT_OSS_FULL = Shape(hq=64, hkv=8, d=64, sinks=True)  # gpt-oss-120b full layers
 GEMMA_D256 = Shape(hq=16, hkv=8, d=256)  # Gemma 2 9B / Gemma 3 12B class, full layers
 QWEN2_GQA7 = Shape(hq=28, hkv=4, d=128)  # Qwen2-7B
+LLAMA70_GQA8 = Shape(hq=64, hkv=8, d=128)  # Llama-3-70B / Qwen2.5-72B class: 8 query heads a KV head
 MODEL_ROWS = [  # (model tag of the label, shape, mode, q_len (None: = L), [(B, L)])
     ("gpt-oss swa128", GPT_OSS_SWA, "decode", 1, [(32, 4096), (8, 16384)]),
     ("gpt-oss swa128", GPT_OSS_SWA, "verify", 4, [(32, 4096)]),
@@ -100,6 +103,8 @@ MODEL_ROWS = [  # (model tag of the label, shape, mode, q_len (None: = L), [(B, 
     ("gemma D256", GEMMA_D256, "decode", 1, [(32, 4096), (8, 8192)]),
     ("gemma D256", GEMMA_D256, "extend", None, [(4, 4096)]),
     ("qwen2 gqa7", QWEN2_GQA7, "decode", 1, [(32, 4096), (8, 8192), (1, 32768)]),
+    ("llama3-70b gqa8", LLAMA70_GQA8, "decode", 1, [(32, 4096)]),
+    ("llama3-70b gqa8", LLAMA70_GQA8, "verify", 4, [(32, 4096)]),
 ]
 
 
@@ -129,7 +134,7 @@ class Row:
         return " ".join(x for x in (self.model, label, self.note) if x)
 
 
-MODELS = tuple(dict.fromkeys(tag.split()[0] for tag, *_ in MODEL_ROWS))  # gpt-oss, gemma, qwen2: --models
+MODELS = tuple(dict.fromkeys(tag.split()[0] for tag, *_ in MODEL_ROWS))  # --models: gpt-oss, gemma, qwen2, llama3-70b
 
 
 def build_rows(groups, default_shape=DEFAULT_SHAPE, extend_rows=None, sizes=None, page=None, models=None):
