@@ -5,9 +5,9 @@ Decode/verify are bound by the KV bytes: split-KV programs (B x Hkv x M-tiles x 
 (every decode and verify row of the H200 sweep was fastest there, h200.md, "Session 26"), the split count a power of
 two (uneven splits and part waves cost) and at most 128 (one request with 4 KV heads, Qwen2-7B's, needs 128 to reach
 4 per SM), each split at least 256 of the keys a query can see (the capacity, or a sliding window's keys:
-Problem.kv_span). Two-buffer tiles of which an sm90 SM holds at most two programs (float8 tiles, by registers;
-D 128 tiles above 16 rows, by shared memory) aim at 2 per SM instead: at 4 their programs made two waves (1.0-1.15x
-faster on every row measured, h200.md, "Session 43"). float8 caches take 128-key tiles (half the bytes per key). The split
+Problem.kv_span). Two-buffer tiles of which an sm90 SM holds at most two programs (float8 tiles, by registers; D 128
+tiles above 16 rows, by shared memory) aim at 2 per SM instead: at 4 their programs made two waves (1.0-1.15x faster
+on every row measured, h200.md, "Session 43"). float8 caches take 128-key tiles (half the bytes per key). The split
 kernel reads a tile's page ids one tile ahead, so Triton's pipeliner buffers K and V: num_stages - 1 buffers. With
 one (2 stages) a tile's copies start only after the previous tile's products have read the buffer; with two (3
 stages) they run under those products. Two buffers are the rule: 16 query rows a KV head at D 128 on 32-key tiles
@@ -15,12 +15,12 @@ stages) they run under those products. Two buffers are the rule: 16 query rows a
 32-key tiles; D 192 / 256 (Gemma's 256) at 16 rows on 16-key tiles (41 KB at 256); D <= 64 (gpt-oss) at every row
 count on 64-key tiles; float8 tiles up to 32 rows on their 128-key (64 above D 128) tiles, and above 32 rows at
 D <= 128 on sm90 / sm100 (64-key tiles at D 64; sm89 / sm120 spill registers there, so they keep one buffer).
-Against one buffer: D 128 decode and verify at 16 rows 0-4 % faster in one process (level across processes),
-gpt-oss's full-layer verify 10 % (h200.md, "Session 42"); 32-128 rows (Llama-3-70B's group of 8 at S = 4 / 8 / 16)
-1.12-1.39x, float8 1.03-1.24x (h200.md, "Session 43"; the earlier sessions' stage counts, 3 or 4, bought no
-second buffer while the K / V addresses hung on a page-id load of the same iteration). D 192 / 256 above 16 rows
-keep one buffer (not measured with two). Extend: 128 x 128 tiles for D <= 128; above, 128 x 64 with 8 warps on
-sm90 / sm100 (197 KB of shared memory at D 256), 64 x 32 with 4 warps elsewhere.
+Against one buffer: D 128 decode and verify at 16 rows 0-4 % faster in one process (level across processes), gpt-oss's
+full-layer verify 10 % (h200.md, "Session 42"); 32-128 rows (Llama-3-70B's group of 8 at S = 4 / 8 / 16) 1.12-1.39x,
+float8 1.03-1.24x (h200.md, "Session 43"; the earlier sessions' stage counts, 3 or 4, bought no second buffer while
+the K / V addresses hung on a page-id load of the same iteration). D 192 / 256 above 16 rows keep one buffer (not
+measured with two). Extend: 128 x 128 tiles for D <= 128; above, 128 x 64 with 8 warps on sm90 / sm100 (197 KB of
+shared memory at D 256), 64 x 32 with 4 warps elsewhere.
 
 The tiles follow the wider of the two head dims, max(D, Dv) (D for plain GQA). Above 256 (MLA's absorbed D = 576 /
 Dv = 512, whose accumulator alone is 512 fp32 columns a row) decode/verify take V's tile from K's (v_from_k: one
