@@ -114,7 +114,8 @@ def _plan(problem: Problem) -> Plan:
     if fp8:  # above 32 rows only at D <= 128 on sm90 / sm100 (measured on sm90; sm89 / sm120 spill there)
         if block_m <= 32 or (d <= 128 and problem.capability[0] in FP8_WIDE_MAJORS):
             stages = 3
-            block_n = 64 if d <= 64 and block_m >= 64 else block_n
+            if d <= 64 and block_m >= 64:
+                block_n = 64
     elif d <= 64:  # gpt-oss: every row count
         stages = 3
     elif d <= 128:  # GQA at D 128: 32-key tiles at 16 and 128 rows a KV head, 64-key ones at 32 and 64
