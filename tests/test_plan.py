@@ -40,6 +40,13 @@ def table() -> str:
         _row("h200 decode fp8 32x4096", batch=32, q_len=1, max_pages=256, kv_dtype=torch.float8_e4m3fn, **H200),
         _row("h200 decode D=256 g=1", batch=8, q_len=1, max_pages=512, head_dim=256, num_q_heads=8, **H200),
         _row("h200 verify 8x8192 S=4", batch=8, q_len=4, max_pages=512, **H200),
+        # 16 rows a KV head in one wave (one_wave_tile): unsplit on 64-key tiles for B x Hkv from 256 (the
+        # two-an-SM target) to 396; elsewhere 32-key tiles, splits halved until five programs an SM hold them all
+        _row("h200 decode 24x4096", batch=24, q_len=1, max_pages=256, **H200),
+        _row("h200 verify 32x4096 S=4", batch=32, q_len=4, max_pages=256, **H200),
+        _row("h200 decode 49x4096", batch=49, q_len=1, max_pages=256, **H200),
+        _row("h200 decode 50x4096", batch=50, q_len=1, max_pages=256, **H200),
+        _row("h200 decode Hkv=4 32x4096", batch=32, q_len=1, max_pages=256, num_q_heads=28, num_kv_heads=4, **H200),
         _row("h200 verify 64x2048 S=16", batch=64, q_len=16, max_pages=128, **H200),
         # 8 query heads a KV head (Llama-3-70B): 32 rows at S=4, a tile that holds two programs an SM
         _row("h200 verify G=8 32x4096 S=4", batch=32, q_len=4, max_pages=256, num_q_heads=64, **H200),
@@ -142,13 +149,18 @@ cpu extend 2x64              extend  torch  splits=1   m=0   n=0   warps=0 stage
 cpu packed T=256             extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
 h200 decode 1x32768          decode  triton splits=64  m=16  n=32  warps=4 stages=3 scratch=1056768
 h200 decode 8x8192           decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=1056768
-h200 decode 32x4096          decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=1056768
+h200 decode 32x4096          decode  triton splits=1   m=16  n=64  warps=4 stages=3 scratch=0
 h200 decode 64x2048          decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
 h200 decode 128x1024         decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
 h200 decode 16x16384         decode  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=1056768
 h200 decode fp8 32x4096      decode  triton splits=1   m=16  n=128 warps=4 stages=3 scratch=0
 h200 decode D=256 g=1        decode  triton splits=8   m=16  n=16  warps=4 stages=3 scratch=526336
 h200 verify 8x8192 S=4       verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=4227072
+h200 decode 24x4096          decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=792576
+h200 verify 32x4096 S=4      verify  triton splits=1   m=16  n=64  warps=4 stages=3 scratch=0
+h200 decode 49x4096          decode  triton splits=1   m=16  n=64  warps=4 stages=3 scratch=0
+h200 decode 50x4096          decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
+h200 decode Hkv=4 32x4096    decode  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=1849344
 h200 verify 64x2048 S=16     verify  triton splits=1   m=64  n=64  warps=8 stages=3 scratch=0
 h200 verify G=8 32x4096 S=4  verify  triton splits=1   m=32  n=64  warps=4 stages=3 scratch=0
 h200 verify G=8 8x8192 S=8   verify  triton splits=4   m=64  n=64  warps=8 stages=3 scratch=8454144
@@ -218,7 +230,7 @@ fp8 decode D=96              decode  triton splits=4   m=16  n=128 warps=4 stage
 fp8 decode G=8               decode  triton splits=4   m=16  n=128 warps=4 stages=3 scratch=1056768
 fp8 decode sm80              decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
 fp8 verify 8x8192 S=4        verify  triton splits=4   m=16  n=128 warps=4 stages=3 scratch=2113536
-bf16 decode 32x4096          decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=1056768
+bf16 decode 32x4096          decode  triton splits=1   m=16  n=64  warps=4 stages=3 scratch=0
 bf16 extend 1x16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
 bf16 packed T=16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
 bf16 extend D=64 8192:1024   extend  cute   splits=1   m=128 n=128 warps=12 stages=4 scratch=0

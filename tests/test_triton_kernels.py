@@ -347,6 +347,12 @@ GPU_CASES = [
                                     nan_unused=True, sinks=True)),
     ("verify_s8_g8_window", dict(batch=2, q_len=8, hq=64, hkv=8, d=128, page_size=16, lens=[1200, 20],
                                  kv_start=True, nan_unused=True), dict(window_left=500)),
+    # 16 rows a KV head with B x Hkv = 256 / 264: one wave unsplit on 64-key tiles (sm90 / sm100)
+    ("decode_one_wave_nan", dict(batch=32, hq=32, hkv=8, d=128, page_size=16,
+                                 lens=[(i * 397) % 2100 + 1 for i in range(32)], nan_unused=True, sinks=True), {}),
+    ("verify_one_wave_window", dict(batch=33, q_len=4, hq=32, hkv=8, d=128, page_size=16,
+                                    lens=[(i * 211) % 1500 + 4 for i in range(33)], kv_start=True, nan_unused=True),
+     dict(window_left=300)),
     # float8 at 32 and 64 rows (two buffers; 64-key tiles at D 64 and 64 rows)
     ("verify_fp8_g8_d64", dict(batch=2, q_len=4, hq=16, hkv=2, d=64, page_size=16, lens=[1000, 33], kv_dtype=F8,
                                descale="b", nan_unused=True, sinks=True)),
@@ -449,6 +455,8 @@ def test_gpu_matches_reference(name, kw, options):
     plan = _plan_of(t, options)
     assert plan.family in ("triton", "cute"), f"{name}: expected a kernel family, got {plan}"
     assert "_split" not in name or plan.num_splits > 1, f"{name}: meant to split the keys, got {plan}"
+    assert ("_one_wave" not in name or torch.cuda.get_device_capability()[0] not in (9, 10)
+            or (plan.num_splits, plan.block_n) == (1, 64)), f"{name}: meant to run unsplit on 64 keys, got {plan}"
     out = torch.full(t["q"].shape[:-1] + t["v_cache"].shape[-1:], float("nan"), dtype=t["q"].dtype, device="cuda")
     _, lse = _call(t, options, out=out)
     torch.cuda.synchronize()

@@ -11,10 +11,11 @@ on every row measured, h200.md, "Session 43"). float8 caches take 128-key tiles 
 kernel reads a tile's page ids one tile ahead, so Triton's pipeliner buffers K and V: num_stages - 1 buffers. With
 one (2 stages) a tile's copies start only after the previous tile's products have read the buffer; with two (3
 stages) they run under those products. Two buffers are the rule: 16 query rows a KV head at D 128 on 32-key tiles
-(38 KB of shared memory and 96 registers on sm90: 5 programs an SM), 32 and 64 rows on 64-key tiles, 128 rows on
-32-key tiles; D 192 / 256 (Gemma's 256) at 16 rows on 16-key tiles (41 KB at 256); D <= 64 (gpt-oss) at every row
-count on 64-key tiles; float8 tiles up to 32 rows on their 128-key (64 above D 128) tiles, and above 32 rows at
-D <= 128 on sm90 / sm100 (64-key tiles at D 64; sm89 / sm120 spill registers there, so they keep one buffer).
+(38 KB of shared memory and 96 registers on sm90: 5 programs an SM; on sm90 / sm100 its splits and keys are chosen
+for one wave of programs: one_wave_tile), 32 and 64 rows on 64-key tiles, 128 rows on 32-key tiles; D 192 / 256
+(Gemma's 256) at 16 rows on 16-key tiles (41 KB at 256); D <= 64 (gpt-oss) at every row count on 64-key tiles;
+float8 tiles up to 32 rows on their 128-key (64 above D 128) tiles, and above 32 rows at D <= 128 on sm90 / sm100
+(64-key tiles at D 64; sm89 / sm120 spill registers there, so they keep one buffer).
 Against one buffer: D 128 decode and verify at 16 rows 0-4 % faster in one process (level across processes), gpt-oss's
 full-layer verify 10 % (h200.md, "Session 42"); 32-128 rows (Llama-3-70B's group of 8 at S = 4 / 8 / 16) 1.12-1.39x,
 float8 1.03-1.24x (h200.md, "Session 43"; the earlier sessions' stage counts, 3 or 4, bought no second buffer while
@@ -40,7 +41,7 @@ b12x_inductor.bench mla --variants ...` (h200.md, "MLA"). Extend takes 32 x 16 w
 
 from __future__ import annotations
 
-from b12x_inductor.plan import FP8, Plan, Problem, next_pow2, split_count, split_scratch_bytes, with_tiles
+from b12x_inductor.plan import FP8, Plan, Problem, next_pow2, prev_pow2, split_count, split_scratch_bytes, with_tiles
 
 SPLIT_RULE = dict(programs_per_sm=4, min_split_keys=256, max_splits=128)
 MLA_WIDE_ROWS = 64  # MLA decode/verify: query rows of the wide tile (one program per SM)
@@ -49,6 +50,8 @@ MLA_WIDE_PROGRAMS_PER_SM = 1
 MLA_WIDE_MAJORS = (9, 10)  # its 221 KB of shared memory (bf16, sm90) fit the 227 KB a block has on sm90/sm100
 WIDE_EXTEND_MAJORS = (9, 10)  # extend above D 128 (Gemma's 256): the 128 x 64 tile needs sm90 / sm100's 227 KB
 FP8_WIDE_MAJORS = (9, 10)  # float8 tiles above 32 rows take two buffers here (elsewhere they spill registers)
+ONE_WAVE_MAJORS = (9, 10)  # one_wave_tile's occupancies (programs an SM by block_n) hold on sm90 / sm100
+ONE_WAVE_PROGRAMS_PER_SM = {32: 5, 64: 3}
 MLA_MAX_SPLITS = 64  # MLA decode/verify: 128 splits make two waves of one-per-SM programs at H128 1x32768
 
 
@@ -122,11 +125,36 @@ def _plan(problem: Problem) -> Plan:
         block_n, stages = (64 if block_m in (32, 64) else 32), 3
     elif block_m == 16:  # D 192 / 256 (Gemma's 256) up to 16 rows
         block_n, stages = 16, 3
+    programs = problem.batch * problem.num_kv_heads * m_tiles
+    one_wave = one_wave_tile(problem, programs, block_m, stages)
+    if one_wave:  # the 16-row D 128 tile on sm90 / sm100: splits and keys for one wave
+        splits, block_n = one_wave
+        return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=block_n, num_warps=4,
+                    num_stages=stages, scratch_bytes=split_scratch_bytes(problem, splits))
     # two-buffer tiles of which an sm90 SM holds at most two programs (registers or shared memory): their splits
     # aim at two an SM, so that the programs make one wave where they can
     two_per_sm = stages == 3 and (fp8 or (64 < d <= 128 and block_m >= 32))
-    splits = num_splits(problem, problem.batch * problem.num_kv_heads * m_tiles, 2 if two_per_sm else
-                        SPLIT_RULE["programs_per_sm"])
+    splits = num_splits(problem, programs, 2 if two_per_sm else SPLIT_RULE["programs_per_sm"])
     return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=block_n,
                 num_warps=4 if block_m <= 32 else 8, num_stages=stages,
                 scratch_bytes=split_scratch_bytes(problem, splits))
+
+
+def one_wave_tile(problem: Problem, programs: int, block_m: int, stages: int) -> tuple[int, int] | None:
+    """(splits, block_n) of the 16-row bf16 / fp16 D 128 two-buffer tile on sm90 / sm100, chosen for one wave
+    (None for every other tile: the split rule's). An SM holds five of its 32-key programs (38 KB of shared memory,
+    96 registers) or three of its 64-key ones (70 KB). Where B x Hkv (`programs`) alone reaches the two-an-SM target
+    and three an SM hold them all: one split on 64-key tiles, no merge. Elsewhere 32-key tiles, the split rule's
+    count halved until the programs fit five an SM: a second, part wave of a few programs an SM reads its bytes
+    at a fraction of the bandwidth (decode 24x4096 at 4 splits 1.4x and 52x4096 at 2 splits 1.3x slower than
+    in one wave; h200.md, "Session 45")."""
+    if not (block_m == 16 and stages == 3 and problem.kv_dtype != FP8
+            and 64 < max(problem.head_dim, problem.v_head_dim) <= 128 and problem.capability[0] in ONE_WAVE_MAJORS):
+        return None
+    sms = max(problem.sm_count, 1)
+    if prev_pow2(2 * sms) <= programs <= ONE_WAVE_PROGRAMS_PER_SM[64] * sms:
+        return 1, 64
+    splits = num_splits(problem, programs)
+    while splits > 1 and programs * splits > ONE_WAVE_PROGRAMS_PER_SM[32] * sms:
+        splits //= 2
+    return splits, 32
