@@ -27,6 +27,7 @@ ROWS = [
     ("decode 8x8192", dict(GQA, batch=8, q_len=1, max_pages=512), OPT,
      [{}, dict(block_n=64, num_stages=2), dict(num_warps=8)]),
     ("verify S=4 8x8192", dict(GQA, batch=8, q_len=4, max_pages=512), OPT, [{}, dict(block_n=64, num_stages=2)]),
+    ("decode 32x4096", dict(GQA, batch=32, q_len=1, max_pages=256), OPT, [{}, dict(num_splits=2, block_n=32)]),
     ("verify S=4 32x4096 G=8", dict(GQA, num_q_heads=64, batch=32, q_len=4, max_pages=256), OPT,
      [{}, dict(num_stages=2, num_splits=2), dict(block_n=32)]),
     ("decode fp8 32x4096", dict(GQA, batch=32, q_len=1, max_pages=256, kv_dtype=F8), OPT,
