@@ -353,6 +353,9 @@ GPU_CASES = [
     ("verify_one_wave_window", dict(batch=33, q_len=4, hq=32, hkv=8, d=128, page_size=16,
                                     lens=[(i * 211) % 1500 + 4 for i in range(33)], kv_start=True, nan_unused=True),
      dict(window_left=300)),
+    # B x Hkv = 192: the split rule's 4 splits halved to 2 for one wave of five programs an SM (H200)
+    ("decode_b24_split", dict(batch=24, hq=32, hkv=8, d=128, page_size=16,
+                              lens=[(i * 733) % 3000 + 300 for i in range(24)], nan_unused=True), {}),
     # float8 at 32 and 64 rows (two buffers; 64-key tiles at D 64 and 64 rows)
     ("verify_fp8_g8_d64", dict(batch=2, q_len=4, hq=16, hkv=2, d=64, page_size=16, lens=[1000, 33], kv_dtype=F8,
                                descale="b", nan_unused=True, sinks=True)),
