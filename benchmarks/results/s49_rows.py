@@ -1,31 +1,33 @@
-"""Sessions 46-49 (h200.md): one_wave_tile's one-buffer rule above three programs an SM, timed through
-b12x_inductor.bench.kernels.run_row (the bench's inputs, reference check and CUDA-graph timing): the plan, each
-row's variants (splits:block_n:stages:warps, warps 0 = the plan's) and FlashInfer in one process, plus the
-group-of-7 rows (Qwen2-7B) and shapes that separate its group from its 4 KV heads. Env: PEERS (default
-flashinfer; empty for none), ONLY (row labels, comma-separated), NOFA3 (leave FlashInfer's fa3 backend out), OUT,
-TAG. `--warm` builds FlashInfer's JIT modules for the rows and exits."""
+"""Sessions 46-49 (h200.md): one_wave_tile's one-buffer rule above three programs an SM (s49_one_buffer_rule.patch;
+not landed), timed through b12x_inductor.bench.kernels.run_row (the bench's inputs, reference check and CUDA-graph
+timing): the plan, each row's variants (splits:block_n:stages:warps, warps 0 = the plan's) and FlashInfer in one
+process, with the group-of-7 rows (Qwen2-7B), and bench rows whose decode kernels the patch's S = 1 rows change.
+Env: PEERS (default flashinfer; empty for none), ONLY (row labels, comma-separated), NOFA3 (leave FlashInfer's fa3
+backend out), OUT, TAG. `--warm` builds FlashInfer's JIT modules for the rows and exits. Not yet run: no GPU was
+lent in session 49."""
 import json, os, sys
 import torch
 from b12x_inductor.bench import kernels as K
 
 bf = torch.bfloat16
 QW, L70 = K.QWEN2_GQA7, K.LLAMA70_GQA8
-G8_HKV4, G7_HKV8, G4_HKV4 = K.Shape(hq=32, hkv=4), K.Shape(hq=56, hkv=8), K.Shape(hq=16, hkv=4)
-TWO, ONE, SPLIT2, WIDE1 = (1, 32, 3, 0), (1, 32, 2, 0), (2, 32, 2, 0), (1, 64, 2, 0)
+TWO, ONE, SPLIT2 = (1, 32, 3, 0), (1, 32, 2, 0), (2, 32, 2, 0)
 ROWS = [  # (row, variants)
-    *[(K.Row("decode", b, 4096, 1, bf), [TWO]) for b in (50, 52, 56, 60)],
+    *[(K.Row("decode", b, 4096, 1, bf), [TWO]) for b in (50, 56)],
     (K.Row("decode", 64, 4096, 1, bf), [SPLIT2, ONE]),
-    *[(K.Row("decode", b, 4096, 1, bf), [TWO]) for b in (68, 72, 80, 96, 112)],
+    *[(K.Row("decode", b, 4096, 1, bf), [TWO]) for b in (68, 72, 80, 112)],
     (K.Row("decode", 128, 4096, 1, bf), [ONE]),
-    (K.Row("decode", 72, 2048, 1, bf), [TWO]),
     (K.Row("verify", 52, 4096, 4, bf), [TWO]),
     (K.Row("verify", 72, 4096, 4, bf), [TWO]),
-    (K.Row("decode", 144, 4096, 1, bf, QW, "qwen2 gqa7"), [TWO, SPLIT2, WIDE1]),
+    (K.Row("decode", 144, 4096, 1, bf, QW, "qwen2 gqa7"), [TWO, SPLIT2]),
     (K.Row("decode", 104, 4096, 1, bf, QW, "qwen2 gqa7"), [TWO]),
-    (K.Row("decode", 144, 4096, 1, bf, G8_HKV4, "g8 hkv4"), [TWO]),
-    (K.Row("decode", 144, 4096, 1, bf, G4_HKV4, "g4 hkv4"), [TWO]),
-    (K.Row("decode", 72, 4096, 1, bf, G7_HKV8, "g7 hkv8"), [TWO]),
     (K.Row("decode", 72, 4096, 1, bf, L70, "llama3-70b gqa8"), [TWO]),
+    # the bench's rows whose decode kernels the S = 1 rows change (registers), plan only
+    (K.Row("decode", 1, 32768, 1, bf), []),
+    (K.Row("decode", 8, 8192, 1, bf), []),
+    (K.Row("decode", 32, 4096, 1, bf), []),
+    (K.Row("decode", 32, 4096, 1, bf, QW, "qwen2 gqa7"), []),
+    (K.Row("decode", 32, 4096, 1, torch.float8_e4m3fn), []),
 ]
 if os.environ.get("NOFA3"):
     _peers_for = K.peers_for
