@@ -133,6 +133,8 @@ INTERPRETER_CASES = [
     ("decode_features", "decode", (3, 16, 16), dict(kv_start=True, sinks=True, dtype=torch.float16),
      dict(window_left=5, softcap=3.0)),
     ("decode_empty_and_noncausal", "decode", (2, 16, 16), dict(lens=[0, 11]), dict(causal=False)),
+    # a group of 3 in 16 rows: the rows past it (masked) read the group's last head's sink
+    ("decode_group3_sinks_nan", "decode", (2, 16, 16), dict(hq=6, hkv=2, sinks=True, nan_unused=True), dict()),
     ("decode_fp8_bh", "decode", (2, 16, 16), dict(kv_dtype=F8, descale="bh"), dict()),
     ("decode_fp8_b_hnd", "decode", (1, 16, 16), dict(kv_dtype=F8, descale="b", kv_layout="HND"), dict()),
     ("verify_features", "verify", (3, 16, 16), dict(q_len=4, kv_start=True, sinks=True), dict(window_left=3)),
@@ -356,6 +358,25 @@ GPU_CASES = [
     # B x Hkv = 192: the split rule's 4 splits halved to 2 for one wave of five programs an SM (H200)
     ("decode_b24_split", dict(batch=24, hq=32, hkv=8, d=128, page_size=16,
                               lens=[(i * 733) % 3000 + 300 for i in range(24)], nan_unused=True), {}),
+    ("decode_b28_split", dict(batch=28, hq=32, hkv=8, d=128, page_size=16,
+                              lens=[(i * 577) % 2500 + 600 for i in range(28)], sinks=True), {}),
+    # one request, 8 KV heads: 64 splits of 32-key tiles, two buffers
+    ("decode_one_request_split", dict(batch=1, hq=32, hkv=8, d=128, page_size=16, lens=[17000], kv_start=True,
+                                      sinks=True, nan_unused=True), {}),
+    # above three programs an SM, one_wave_tile's tiles (ONE_WAVE_TILES on sm90 / sm100 with 132 SMs)
+    ("decode_b56_wave", dict(batch=56, hq=32, hkv=8, d=128, page_size=16,
+                                         lens=[(i * 389) % 2600 + 700 for i in range(56)], nan_unused=True), {}),
+    ("decode_gqa7_b200_wave", dict(batch=200, hq=28, hkv=4, d=128, page_size=16,
+                                         lens=[(i * 571) % 2300 + 1 for i in range(200)], sinks=True,
+                                         nan_unused=True), {}),
+    ("verify_b100_wave_window", dict(batch=100, q_len=4, hq=32, hkv=8, d=128, page_size=16,
+                                           lens=[(i * 263) % 1900 + 250 for i in range(100)], kv_start=True,
+                                           nan_unused=True), dict(window_left=700)),
+    ("decode_b120_wave", dict(batch=120, hq=32, hkv=8, d=128, page_size=16,
+                               lens=[(i * 613) % 2900 + 20 for i in range(120)], sinks=True, nan_unused=True), {}),
+    ("decode_g8_b128_wave", dict(batch=128, hq=64, hkv=8, d=128, page_size=16,
+                                             lens=[(i * 457) % 1500 + 520 for i in range(128)], kv_start=True,
+                                             nan_unused=True), {}),
     # float8 at 32 and 64 rows (two buffers; 64-key tiles at D 64 and 64 rows)
     ("verify_fp8_g8_d64", dict(batch=2, q_len=4, hq=16, hkv=2, d=64, page_size=16, lens=[1000, 33], kv_dtype=F8,
                                descale="b", nan_unused=True, sinks=True)),
@@ -430,6 +451,13 @@ def _reference(t, options):
     return paged_attention_reference(**t, **options)
 
 
+# (splits, block_n, num_stages) one_wave_tile gives these cases on 132 SMs (H100 / H200): B x Hkv = 448 at 2
+# splits on one K / V buffer, 800 unsplit on one (seven an SM); beyond a wave, 960 at 2 splits on two buffers and
+# 1024 (a group of 8) on one
+ONE_WAVE_TILES = {"decode_b56_wave": (2, 32, 2), "decode_gqa7_b200_wave": (1, 32, 2),
+                  "verify_b100_wave_window": (1, 32, 2), "decode_b120_wave": (2, 32, 3), "decode_g8_b128_wave": (2, 32, 2)}
+
+
 def _plan_of(t, options):
     from b12x_inductor import validate
     from b12x_inductor.plan import select_plan
@@ -460,6 +488,9 @@ def test_gpu_matches_reference(name, kw, options):
     assert "_split" not in name or plan.num_splits > 1, f"{name}: meant to split the keys, got {plan}"
     assert ("_one_wave" not in name or torch.cuda.get_device_capability()[0] not in (9, 10)
             or (plan.num_splits, plan.block_n) == (1, 64)), f"{name}: meant to run unsplit on 64 keys, got {plan}"
+    if (name in ONE_WAVE_TILES and torch.cuda.get_device_capability()[0] in (9, 10)
+            and torch.cuda.get_device_properties().multi_processor_count == 132):
+        assert (plan.num_splits, plan.block_n, plan.num_stages) == ONE_WAVE_TILES[name], f"{name}: got {plan}"
     out = torch.full(t["q"].shape[:-1] + t["v_cache"].shape[-1:], float("nan"), dtype=t["q"].dtype, device="cuda")
     _, lse = _call(t, options, out=out)
     torch.cuda.synchronize()

@@ -57,8 +57,15 @@ def split_kernel(
 
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < S * G
-    tok = rows // G
-    hq = h * G + rows % G
+    # Decode: every row is token 0, and a row past the group (masked) takes the group's last head. No division by
+    # G there: with it, groups other than 4 and 8 took 108-113 registers on the 32-key tiles instead of 64-70
+    # (benchmarks/results/sm90_kernel_resources_triton36_s49.md), which one_wave_tile's occupancies assume.
+    if S == 1:
+        tok = tl.zeros([BLOCK_M], tl.int32)
+        hq = h * G + tl.minimum(rows, G - 1)
+    else:
+        tok = rows // G
+        hq = h * G + rows % G
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     offs_dv = tl.arange(0, BLOCK_DV)

@@ -11,8 +11,8 @@ on every row measured, h200.md, "Session 43"). float8 caches take 128-key tiles 
 kernel reads a tile's page ids one tile ahead, so Triton's pipeliner buffers K and V: num_stages - 1 buffers. With
 one (2 stages) a tile's copies start only after the previous tile's products have read the buffer; with two (3
 stages) they run under those products. Two buffers are the rule: 16 query rows a KV head at D 128 on 32-key tiles
-(38 KB of shared memory and 96 registers on sm90: 5 programs an SM; on sm90 / sm100 its splits and keys are chosen
-for one wave of programs: one_wave_tile), 32 and 64 rows on 64-key tiles, 128 rows on 32-key tiles; D 192 / 256
+(38 KB of shared memory and 96 registers on sm90: 5 programs an SM; on sm90 / sm100 its splits, keys and buffers are
+chosen for one wave of programs: one_wave_tile), 32 and 64 rows on 64-key tiles, 128 rows on 32-key tiles; D 192 / 256
 (Gemma's 256) at 16 rows on 16-key tiles (41 KB at 256); D <= 64 (gpt-oss) at every row count on 64-key tiles;
 float8 tiles up to 32 rows on their 128-key (64 above D 128) tiles, and above 32 rows at D <= 128 on sm90 / sm100
 (64-key tiles at D 64; sm89 / sm120 spill registers there, so they keep one buffer).
@@ -41,6 +41,9 @@ b12x_inductor.bench mla --variants ...` (h200.md, "MLA"). Extend takes 32 x 16 w
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 from b12x_inductor.plan import FP8, Plan, Problem, next_pow2, prev_pow2, split_count, split_scratch_bytes, with_tiles
 
 SPLIT_RULE = dict(programs_per_sm=4, min_split_keys=256, max_splits=128)
@@ -50,8 +53,11 @@ MLA_WIDE_PROGRAMS_PER_SM = 1
 MLA_WIDE_MAJORS = (9, 10)  # its 221 KB of shared memory (bf16, sm90) fit the 227 KB a block has on sm90/sm100
 WIDE_EXTEND_MAJORS = (9, 10)  # extend above D 128 (Gemma's 256): the 128 x 64 tile needs sm90 / sm100's 227 KB
 FP8_WIDE_MAJORS = (9, 10)  # float8 tiles above 32 rows take two buffers here (elsewhere they spill registers)
-ONE_WAVE_MAJORS = (9, 10)  # one_wave_tile's occupancies (programs an SM by block_n) hold on sm90 / sm100
-ONE_WAVE_PROGRAMS_PER_SM = {32: 5, 64: 3}
+ONE_WAVE_MAJORS = (9, 10)  # one_wave_tile's occupancies (programs an SM by tile) hold on sm90 / sm100
+# programs of the 16-row D 128 decode tile an sm90 SM holds, by the (block_n, num_stages, split) one_wave_tile
+# weighs: the fewer of what its registers (64-96 a thread at every group, Triton 3.6) and its shared memory allow
+ONE_WAVE_PROGRAMS_PER_SM = {(64, 3, False): 3, (32, 3, False): 5, (32, 3, True): 5, (32, 2, True): 8,
+                            (32, 2, False): 7}
 MLA_MAX_SPLITS = 64  # MLA decode/verify: 128 splits make two waves of one-per-SM programs at H128 1x32768
 
 
@@ -128,7 +134,7 @@ def _plan(problem: Problem) -> Plan:
     programs = problem.batch * problem.num_kv_heads * m_tiles
     one_wave = one_wave_tile(problem, programs, block_m, stages)
     if one_wave:  # the 16-row D 128 tile on sm90 / sm100: splits and keys for one wave
-        splits, block_n = one_wave
+        splits, block_n, stages = one_wave
         return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=block_n, num_warps=4,
                     num_stages=stages, scratch_bytes=split_scratch_bytes(problem, splits))
     # two-buffer tiles of which an sm90 SM holds at most two programs (registers or shared memory): their splits
@@ -140,21 +146,53 @@ def _plan(problem: Problem) -> Plan:
                 scratch_bytes=split_scratch_bytes(problem, splits))
 
 
-def one_wave_tile(problem: Problem, programs: int, block_m: int, stages: int) -> tuple[int, int] | None:
-    """(splits, block_n) of the 16-row bf16 / fp16 D 128 two-buffer tile on sm90 / sm100, chosen for one wave
-    (None for every other tile: the split rule's). An SM holds five of its 32-key programs (38 KB of shared memory,
-    96 registers) or three of its 64-key ones (70 KB). Where B x Hkv (`programs`) alone reaches the two-an-SM target
-    and three an SM hold them all: one split on 64-key tiles, no merge. Elsewhere 32-key tiles, the split rule's
-    count halved until the programs fit five an SM: a second, part wave of a few programs an SM reads its bytes
-    at a fraction of the bandwidth (decode 24x4096 at 4 splits 1.4x and 52x4096 at 2 splits 1.3x slower than
-    in one wave; h200.md, "Session 45")."""
+def one_wave_tile(problem: Problem, programs: int, block_m: int, stages: int) -> tuple[int, int, int] | None:
+    """(splits, block_n, num_stages) of the 16-row bf16 / fp16 D 128 tile on sm90 / sm100, chosen for one wave of
+    programs (None for every other tile: the split rule's). An SM holds ONE_WAVE_PROGRAMS_PER_SM of its programs; a
+    second, part wave of a few programs an SM reads its bytes at a fraction of the bandwidth (decode 24x4096 at 4
+    splits 1.4x and 52x4096 at 2 splits 1.3x slower than in one wave; h200.md, "Session 45"). By B x Hkv
+    (`programs`), on 132 SMs:
+    - below the two-an-SM target (256): 32-key tiles, two buffers, the split rule's count halved until five
+      programs an SM hold them all;
+    - 256 to 396 (three an SM): unsplit on 64-key tiles with two buffers, no merge;
+    - 397 to 511: the split rule's count (2) on one buffer (2 stages), halved until eight an SM hold them;
+    - 512 to 660 (five an SM): unsplit on two buffers;
+    - 661 to 924 (seven an SM): unsplit on one buffer, the tile that makes one wave there;
+    - from 925, more than one wave whichever tile: of unsplit on two buffers and 2 splits on one or two, the one
+      whose programs fill their last wave best (ties to the first; 2 splits only where each keeps the split
+      rule's 256 keys): 2 splits on one buffer at 925-1056 and 1288-1584, on two at 1057-1287, unsplit on two
+      at 1585-1980, and so on.
+    One buffer only where it buys one wave: unsplit programs on one buffer ran 1.06-1.20x slower than on two
+    wherever both took more than a wave, and 0.96-1.08x on two buffers at 544-640 programs (H200), where five an
+    SM hold them (h200.md, "Session 50").
+    Verify rows (S > 1) take the same tiles; their kernels' registers vary more with the group (64-113 on the
+    32-key tiles; benchmarks/results/sm90_kernel_resources_triton36_s49.md)."""
     if not (block_m == 16 and stages == 3 and problem.kv_dtype != FP8
             and 64 < max(problem.head_dim, problem.v_head_dim) <= 128 and problem.capability[0] in ONE_WAVE_MAJORS):
         return None
     sms = max(problem.sm_count, 1)
-    if prev_pow2(2 * sms) <= programs <= ONE_WAVE_PROGRAMS_PER_SM[64] * sms:
-        return 1, 64
+    two_per_sm = prev_pow2(2 * sms)  # the split rule's two-an-SM target
+
+    def cap(block_n: int, num_stages: int, splits: int) -> int:  # programs of this tile one wave holds
+        return ONE_WAVE_PROGRAMS_PER_SM[(block_n, num_stages, splits > 1)] * sms
+
+    if two_per_sm <= programs <= cap(64, 3, 1):
+        return 1, 64, 3
     splits = num_splits(problem, programs)
-    while splits > 1 and programs * splits > ONE_WAVE_PROGRAMS_PER_SM[32] * sms:
-        splits //= 2
-    return splits, 32
+    if splits > 1:  # below the split rule's four-an-SM target
+        num_stages = 3 if programs < two_per_sm else 2
+        while splits > 1 and programs * splits > cap(32, num_stages, splits):
+            splits //= 2
+        return splits, 32, num_stages if splits > 1 else 3
+    if programs <= cap(32, 3, 1):
+        return 1, 32, 3
+    if programs <= cap(32, 2, 1):
+        return 1, 32, 2
+    candidates = [(1, 3)] + [(2, 2), (2, 3)] * (problem.kv_span // 2 >= SPLIT_RULE["min_split_keys"])
+
+    def fill(splits: int, num_stages: int) -> Fraction:  # the last wave's share of a whole one
+        waves = Fraction(programs * splits, cap(32, num_stages, splits))
+        return waves / math.ceil(waves)
+
+    splits, num_stages = max(candidates, key=lambda c: fill(*c))
+    return splits, 32, num_stages
