@@ -160,11 +160,11 @@ def one_wave_tile(problem: Problem, programs: int, block_m: int, stages: int) ->
     - 661 to 924 (seven an SM): unsplit on one buffer, the tile that makes one wave there;
     - from 925, more than one wave whichever tile: of unsplit on two buffers and 2 splits on one or two, the one
       whose programs fill their last wave best (ties to the first; 2 splits only where each keeps the split
-      rule's 256 keys): 2 splits on one buffer at 925-1056 and 1288-1584, on two at 1057-1287, unsplit on two
-      at 1585-1980, and so on.
-    One buffer only where it buys one wave: unsplit programs on one buffer ran 1.06-1.20x slower than on two
-    wherever both took more than a wave, and 0.96-1.08x on two buffers at 544-640 programs (H200), where five an
-    SM hold them (h200.md, "Session 50").
+      rule's 256 keys): 925-990 2 splits on two buffers, 991-1056 on one, 1057-1320 unsplit on two, 1321-1584
+      2 splits on one, and so on.
+    One buffer only where it makes one wave: unsplit on two buffers ran 1.04-1.08x faster than on one at 544-640
+    programs (H200), unsplit on one buffer 1.01-1.18x slower than the fastest tile wherever no tile made one wave
+    (H100); h200.md, "Session 50".
     Verify rows (S > 1) take the same tiles; their kernels' registers vary more with the group (64-113 on the
     32-key tiles; benchmarks/results/sm90_kernel_resources_triton36_s49.md)."""
     if not (block_m == 16 and stages == 3 and problem.kv_dtype != FP8
