@@ -1,10 +1,10 @@
 """Sessions 46-49 (h200.md): one_wave_tile's one-buffer rule above three programs an SM (s49_one_buffer_rule.patch,
 whose kernel change landed in session 50 and whose rule above 528 programs did not), timed through
-b12x_inductor.bench.kernels.run_row (the bench's inputs, reference check and CUDA-graph timing): the plan, each row's variants (splits:block_n:stages:warps, warps 0 = the plan's) and FlashInfer in one
-process, with the group-of-7 rows (Qwen2-7B), and bench rows whose decode kernels the patch's S = 1 rows change.
-Env: PEERS (default flashinfer; empty for none), ONLY (row labels, comma-separated), NOFA3 (leave FlashInfer's fa3
-backend out), OUT, TAG. `--warm` builds FlashInfer's JIT modules for the rows and exits. Run in session 50 (h200.md,
-"Session 50", call B)."""
+b12x_inductor.bench.kernels.run_row (the bench's inputs, reference check and CUDA-graph timing): the plan, each row's
+variants (splits:block_n:stages:warps, warps 0 = the plan's) and FlashInfer in one process, with the group-of-7 rows
+(Qwen2-7B), and bench rows whose decode kernels the patch's S = 1 rows change. Env: PEERS (default flashinfer; empty
+for none), ONLY (row labels, comma-separated), NOFA3 (leave FlashInfer's fa3 backend out), OUT, TAG. `--warm` builds
+FlashInfer's JIT modules for the rows and exits. Run in session 50 (h200.md, "Session 50", call B)."""
 import json, os, sys
 import torch
 from b12x_inductor.bench import kernels as K
