@@ -55,7 +55,9 @@ WIDE_EXTEND_MAJORS = (9, 10)  # extend above D 128 (Gemma's 256): the 128 x 64 t
 FP8_WIDE_MAJORS = (9, 10)  # float8 tiles above 32 rows take two buffers here (elsewhere they spill registers)
 ONE_WAVE_MAJORS = (9, 10)  # one_wave_tile's occupancies (programs an SM by tile) hold on sm90 / sm100
 # programs of the 16-row D 128 decode tile an sm90 SM holds, by the (block_n, num_stages, split) one_wave_tile
-# weighs: the fewer of what its registers (64-96 a thread at every group, Triton 3.6) and its shared memory allow
+# weighs: the fewer of what its registers (64-96 a thread at every group, Triton 3.6) and its shared memory allow,
+# at the group of 8 (94-96 registers on two 32-key buffers: 5; six at the other groups, by shared memory, where one
+# buffer still ran faster at 704 and 768 programs; h200.md, "Session 50")
 ONE_WAVE_PROGRAMS_PER_SM = {(64, 3, False): 3, (32, 3, False): 5, (32, 3, True): 5, (32, 2, True): 8,
                             (32, 2, False): 7}
 MLA_MAX_SPLITS = 64  # MLA decode/verify: 128 splits make two waves of one-per-SM programs at H128 1x32768
