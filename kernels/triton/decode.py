@@ -58,8 +58,9 @@ def split_kernel(
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < S * G
     # Decode: every row is token 0, and a row past the group (masked) takes the group's last head. No division by
-    # G there: with it, groups other than 4 and 8 took 108-113 registers on the 32-key tiles instead of 64-70
-    # (benchmarks/results/sm90_kernel_resources_triton36_s49.md), which one_wave_tile's occupancies assume.
+    # G there: with it, the 32-key tiles took 108-113 registers at every group but 8 (G 4 on two buffers, the
+    # other groups on either) instead of 64-70 (benchmarks/results/sm90_kernel_resources_triton36_s49.md), fewer
+    # programs an SM than one_wave_tile's occupancies assume.
     if S == 1:
         tok = tl.zeros([BLOCK_M], tl.int32)
         hq = h * G + tl.minimum(rows, G - 1)
