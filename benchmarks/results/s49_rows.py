@@ -2,12 +2,11 @@
 whose kernel change landed in session 50 and whose rule above 528 programs did not), timed through
 b12x_inductor.bench.kernels.run_row (the bench's inputs, reference check and CUDA-graph timing): the plan, each row's
 variants (splits:block_n:stages:warps, warps 0 = the plan's) and FlashInfer in one process, with the group-of-7 rows
-(Qwen2-7B), and bench rows whose decode kernels the patch's S = 1 rows change. Env: PEERS (default flashinfer; empty
-for none), ONLY (row labels, comma-separated), NOFA3 (leave FlashInfer's fa3 backend out), OUT, TAG. `--warm` builds
-FlashInfer's JIT modules for the rows and exits. Run in session 50 (h200.md, "Session 50", call B)."""
-import json, os, sys
+(Qwen2-7B), and bench rows whose decode kernels the patch's S = 1 rows change. Env and `--warm`: rows_script.py.
+Run in session 50 (h200.md, "Session 50", call B)."""
 import torch
 from b12x_inductor.bench import kernels as K
+from rows_script import main
 
 bf = torch.bfloat16
 QW, L70 = K.QWEN2_GQA7, K.LLAMA70_GQA8
@@ -29,18 +28,4 @@ ROWS = [  # (row, variants)
     (K.Row("decode", 32, 4096, 1, bf, QW, "qwen2 gqa7"), []),
     (K.Row("decode", 32, 4096, 1, torch.float8_e4m3fn), []),
 ]
-if os.environ.get("NOFA3"):
-    _peers_for = K.peers_for
-    K.peers_for = lambda *a: [p for p in _peers_for(*a) if not p[0].endswith("fa3")]
-if os.environ.get("ONLY"):
-    ROWS = [(r, v) for r, v in ROWS if r.label in os.environ["ONLY"].split(",")]
-peers = set(p for p in os.environ.get("PEERS", "flashinfer").split(",") if p)
-if "--warm" in sys.argv:
-    K.warm_peers([r for r, _ in ROWS])
-    sys.exit(0)
-bw, _ = K.copy_bandwidth()
-name = torch.cuda.get_device_name() if K.DEVICE == "cuda" else "cpu"
-K.log(f"copy bandwidth {bw:.2f} TB/s; {name}")
-res = [K.run_row(r, peers, [("", v) for v in vs], bw) for r, vs in ROWS]
-with open(os.path.join(os.environ.get("OUT", "/tmp"), f"rows49_{os.environ.get('TAG', 'x')}.json"), "w") as f:
-    json.dump(dict(copy_bandwidth_tbps=bw, device=name, rows=res), f, indent=1)
+main(ROWS, "rows49")
