@@ -11,11 +11,11 @@ on every row measured, h200.md, "Session 43"). float8 caches take 128-key tiles 
 kernel reads a tile's page ids one tile ahead, so Triton's pipeliner buffers K and V: num_stages - 1 buffers. With
 one (2 stages) a tile's copies start only after the previous tile's products have read the buffer; with two (3
 stages) they run under those products. Two buffers are the rule: 16 query rows a KV head at D 128 on 32-key tiles
-(38 KB of shared memory and 96 registers on sm90: 5 programs an SM; on sm90 / sm100 its splits, keys and buffers are
-chosen for one wave of programs: one_wave_tile), 32 and 64 rows on 64-key tiles, 128 rows on 32-key tiles; D 192 / 256
-(Gemma's 256) at 16 rows on 16-key tiles (41 KB at 256); D <= 64 (gpt-oss) at every row count on 64-key tiles;
-float8 tiles up to 32 rows on their 128-key (64 above D 128) tiles, and above 32 rows at D <= 128 on sm90 / sm100
-(64-key tiles at D 64; sm89 / sm120 spill registers there, so they keep one buffer).
+(38 KB of shared memory and 70-94 registers on sm90: 5 programs an SM; on sm90 / sm100 its splits, keys and buffers
+are chosen for one wave of programs: one_wave_tile), 32 and 64 rows on 64-key tiles, 128 rows on 32-key tiles;
+D 192 / 256 (Gemma's 256) at 16 rows on 16-key tiles (41 KB at 256); D <= 64 (gpt-oss) at every row count on 64-key
+tiles; float8 tiles up to 32 rows on their 128-key (64 above D 128) tiles, and above 32 rows at D <= 128 on sm90 /
+sm100 (64-key tiles at D 64; sm89 / sm120 spill registers there, so they keep one buffer).
 Against one buffer: D 128 decode and verify at 16 rows 0-4 % faster in one process (level across processes), gpt-oss's
 full-layer verify 10 % (h200.md, "Session 42"); 32-128 rows (Llama-3-70B's group of 8 at S = 4 / 8 / 16) 1.12-1.39x,
 float8 1.03-1.24x (h200.md, "Session 43"; the earlier sessions' stage counts, 3 or 4, bought no second buffer while
