@@ -23,6 +23,8 @@ def main(rows, stem):
     bw, _ = K.copy_bandwidth()
     name = torch.cuda.get_device_name() if K.DEVICE == "cuda" else "cpu"
     K.log(f"copy bandwidth {bw:.2f} TB/s; {name}")
-    res = [K.run_row(r, peers, [("", v) for v in vs], bw) for r, vs in rows]
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), f"{stem}_{os.environ.get('TAG', 'x')}.json"), "w") as f:
-        json.dump(dict(copy_bandwidth_tbps=bw, device=name, rows=res), f, indent=1)
+    res = []
+    for r, vs in rows:  # the JSON is rewritten after each row: a run cut short keeps the rows it timed
+        res.append(K.run_row(r, peers, [("", v) for v in vs], bw))
+        with open(os.path.join(os.environ.get("OUT", "/tmp"), f"{stem}_{os.environ.get('TAG', 'x')}.json"), "w") as f:
+            json.dump(dict(copy_bandwidth_tbps=bw, device=name, rows=res), f, indent=1)
