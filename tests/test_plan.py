@@ -174,7 +174,7 @@ h200 decode 72x4096          decode  triton splits=1   m=16  n=32  warps=4 stage
 h200 decode 96x4096          decode  triton splits=1   m=16  n=32  warps=4 stages=2 scratch=0
 h200 decode 120x4096         decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=3962880
 h200 decode 128x4096         decode  triton splits=2   m=16  n=32  warps=4 stages=2 scratch=4227072
-h200 decode 160x4096         decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
+h200 decode 160x4096         decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=5283840
 h200 decode 128x256          decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
 h200 decode Hkv=4 32x4096    decode  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=1849344
 h200 verify 64x2048 S=16     verify  triton splits=1   m=64  n=64  warps=8 stages=3 scratch=0

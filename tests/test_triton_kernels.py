@@ -376,6 +376,9 @@ GPU_CASES = [
     ("decode_g8_b128_wave", dict(batch=128, hq=64, hkv=8, d=128, page_size=16,
                                  lens=[(i * 457) % 1500 + 520 for i in range(128)], kv_start=True,
                                  nan_unused=True), {}),
+    ("decode_b150_wave", dict(batch=150, hq=32, hkv=8, d=128, page_size=16,
+                              lens=[(i * 541) % 2700 + 300 for i in range(150)], kv_start=True, sinks=True,
+                              nan_unused=True), {}),
     # float8 at 32 and 64 rows (two buffers; 64-key tiles at D 64 and 64 rows)
     ("verify_fp8_g8_d64", dict(batch=2, q_len=4, hq=16, hkv=2, d=64, page_size=16, lens=[1000, 33], kv_dtype=F8,
                                descale="b", nan_unused=True, sinks=True)),
@@ -451,11 +454,11 @@ def _reference(t, options):
 
 
 # (splits, block_n, num_stages) one_wave_tile gives these cases on 132 SMs (H100 / H200): B x Hkv = 448 at 2
-# splits on one K / V buffer, 800 unsplit on one (seven an SM); beyond a wave, 960 at 2 splits on two buffers and
-# 1024 (a group of 8) on one
+# splits on one K / V buffer, 800 unsplit on one (seven an SM); beyond a wave, 960 and 1200 at 2 splits on two
+# buffers and 1024 (a group of 8) on one
 ONE_WAVE_TILES = {
     "decode_b56_wave": (2, 32, 2), "decode_gqa7_b200_wave": (1, 32, 2), "verify_b100_wave_window": (1, 32, 2),
-    "decode_b120_wave": (2, 32, 3), "decode_g8_b128_wave": (2, 32, 2)}
+    "decode_b120_wave": (2, 32, 3), "decode_g8_b128_wave": (2, 32, 2), "decode_b150_wave": (2, 32, 3)}
 
 
 def _plan_of(t, options):

@@ -160,13 +160,14 @@ def one_wave_tile(problem: Problem, programs: int, block_m: int, stages: int) ->
     - 397 to 511: the split rule's count (2) on one buffer (2 stages), halved until eight an SM hold them;
     - 512 to 660 (five an SM): unsplit on two buffers;
     - 661 to 924 (seven an SM): unsplit on one buffer, the tile that makes one wave there;
-    - from 925, more than one wave whichever tile: of unsplit on two buffers and 2 splits on one or two, the one
-      whose programs fill their last wave best (ties to the first; 2 splits only where each keeps the split
-      rule's 256 keys): 925-990 2 splits on two buffers, 991-1056 on one, 1057-1320 unsplit on two, 1321-1584
-      2 splits on one, and so on.
+    - from 925, more than one wave whichever tile: of 2 splits on one or two buffers and unsplit on two, the one
+      whose programs fill their last wave best, ties to 2 splits (2 splits only where each keeps the split rule's
+      256 keys): 925-990 2 splits on two buffers, 991-1056 on one, 1057-1320 on two (a tie with unsplit there),
+      1321-1584 on one, and so on.
     One buffer only where it makes one wave: unsplit on two buffers ran 1.04-1.08x faster than on one at 544-640
     programs (H200), unsplit on one buffer 1.01-1.18x slower than the fastest tile wherever no tile made one wave
-    (H100); h200.md, "Session 50".
+    (H100); h200.md, "Session 50". Where 2 splits and unsplit fill their last wave alike (1057-1320), 2 splits ran
+    1.03-1.05x faster on the H200 at the group of 4 (1088, 1200, 1280 programs; h200.md, "Session 51").
     Verify rows (S > 1) take the same tiles; their kernels' registers vary more with the group (64-113 on the
     32-key tiles; benchmarks/results/sm90_kernel_resources_triton36_s49.md)."""
     if not (block_m == 16 and stages == 3 and problem.kv_dtype != FP8
@@ -190,11 +191,11 @@ def one_wave_tile(problem: Problem, programs: int, block_m: int, stages: int) ->
         return 1, 32, 3
     if programs <= cap(32, 2, 1):
         return 1, 32, 2
-    candidates = [(1, 3)] + [(2, 2), (2, 3)] * (problem.kv_span // 2 >= SPLIT_RULE["min_split_keys"])
+    candidates = [(2, 2), (2, 3)] * (problem.kv_span // 2 >= SPLIT_RULE["min_split_keys"]) + [(1, 3)]
 
     def fill(splits: int, num_stages: int) -> Fraction:  # the last wave's share of a whole one
         waves = Fraction(programs * splits, cap(32, num_stages, splits))
         return waves / math.ceil(waves)
 
-    splits, num_stages = max(candidates, key=lambda c: fill(*c))
+    splits, num_stages = max(candidates, key=lambda c: fill(*c))  # ties to the first
     return splits, 32, num_stages
