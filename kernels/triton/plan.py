@@ -167,7 +167,8 @@ def one_wave_tile(problem: Problem, programs: int, block_m: int, stages: int) ->
     One buffer only where it makes one wave: unsplit on two buffers ran 1.04-1.08x faster than on one at 544-640
     programs (H200), unsplit on one buffer 1.01-1.18x slower than the fastest tile wherever no tile made one wave
     (H100); h200.md, "Session 50". Where 2 splits and unsplit fill their last wave alike (1057-1320), 2 splits ran
-    1.03-1.05x faster on the H200 at the group of 4 (1088, 1200, 1280 programs; h200.md, "Session 51").
+    1.03-1.05x faster on the H200 at the group of 4 (1088, 1200, 1280 programs) and 0.98x unsplit's speed at the
+    group of 8 (1280), within one tile's spread between processes (h200.md, "Session 51").
     Verify rows (S > 1) take the same tiles; their kernels' registers vary more with the group (64-113 on the
     32-key tiles; benchmarks/results/sm90_kernel_resources_triton36_s49.md)."""
     if not (block_m == 16 and stages == 3 and problem.kv_dtype != FP8
