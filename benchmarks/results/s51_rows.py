@@ -2,8 +2,9 @@
 each row's alternative tiles, and split counts other than the rule's powers of two where a request's splits are
 the only source of programs (decode 1x32768 and 8x8192: up to one wave of each tile's occupancy,
 ONE_WAVE_PROGRAMS_PER_SM). Tiles are splits:block_n:stages (the plan's warps). SET picks the call's rows: a (call
-A, the default; calls B: a's rows named in ONLY), c and d (beyond a wave: more split counts, the rows where 2
-splits and unsplit fill their last wave alike), e (the landed rule there). rows_script.py: env, `--warm`."""
+A, the default; call B: a's rows named in ONLY), c and d (beyond a wave: more split counts, the rows where 2
+splits and unsplit fill their last wave alike), e (the landed rule there; call E, not run in session 51).
+rows_script.py: env, `--warm`."""
 import os
 
 import torch
