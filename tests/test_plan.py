@@ -46,14 +46,8 @@ def table() -> str:
         # the tile whose programs fill their last wave best
         _row("h200 decode 24x4096", batch=24, q_len=1, max_pages=256, **H200),
         _row("h200 verify 32x4096 S=4", batch=32, q_len=4, max_pages=256, **H200),
-        _row("h200 decode 49x4096", batch=49, q_len=1, max_pages=256, **H200),
-        _row("h200 decode 50x4096", batch=50, q_len=1, max_pages=256, **H200),
-        _row("h200 decode 64x4096", batch=64, q_len=1, max_pages=256, **H200),
-        _row("h200 decode 72x4096", batch=72, q_len=1, max_pages=256, **H200),
-        _row("h200 decode 96x4096", batch=96, q_len=1, max_pages=256, **H200),
-        _row("h200 decode 120x4096", batch=120, q_len=1, max_pages=256, **H200),
-        _row("h200 decode 128x4096", batch=128, q_len=1, max_pages=256, **H200),
-        _row("h200 decode 160x4096", batch=160, q_len=1, max_pages=256, **H200),
+        *[_row(f"h200 decode {b}x4096", batch=b, q_len=1, max_pages=256, **H200)
+          for b in (49, 50, 64, 72, 96, 120, 128, 160)],
         _row("h200 decode 128x256", batch=128, q_len=1, max_pages=16, **H200),
         _row("h200 decode Hkv=4 32x4096", batch=32, q_len=1, max_pages=256, num_q_heads=28, num_kv_heads=4, **H200),
         _row("h200 verify 64x2048 S=16", batch=64, q_len=16, max_pages=128, **H200),
