@@ -1,12 +1,17 @@
-"""The shared body of the sNN_rows.py scripts (s49_rows.py, s50_rows.py): times each row's plan, its variants
-(splits:block_n:stages:warps, warps 0 = the plan's) and the peers in one process through
-b12x_inductor.bench.kernels.run_row (the bench's inputs, reference check and CUDA-graph timing), and writes
-`{OUT}/{stem}_{TAG}.json`. Env: PEERS (default flashinfer; empty for none), ONLY (row labels, comma-separated),
-NOFA3 (leave FlashInfer's fa3 backend out), OUT, TAG. `--warm` builds FlashInfer's JIT modules for the rows and
-exits."""
+"""The shared body of the sNN_rows.py scripts (s49_rows.py, s50_rows.py, s51_rows.py): times each row's plan, its
+variants (splits:block_n:stages:warps, warps 0 = the plan's; `v` writes them from "splits:block_n:stages") and the
+peers in one process through b12x_inductor.bench.kernels.run_row (the bench's inputs, reference check and
+CUDA-graph timing), and writes `{OUT}/{stem}_{TAG}.json`. Env: PEERS (default flashinfer; empty for none), ONLY
+(row labels, comma-separated), NOFA3 (leave FlashInfer's fa3 backend out), OUT, TAG. `--warm` builds FlashInfer's
+JIT modules for the rows and exits."""
 import json, os, sys
 import torch
 from b12x_inductor.bench import kernels as K
+
+
+def v(*specs):
+    """Variant tuples from "splits:block_n:stages" strings, with the plan's warps (0)."""
+    return [tuple(int(x) for x in s.split(":")) + (0,) for s in specs]
 
 
 def main(rows, stem):

@@ -9,14 +9,10 @@ import os
 
 import torch
 from b12x_inductor.bench import kernels as K
-from rows_script import main
+from rows_script import main, v
 
 bf = torch.bfloat16
 QW, L70 = K.QWEN2_GQA7, K.LLAMA70_GQA8
-
-
-def v(*specs):
-    return [tuple(int(x) for x in s.split(":")) + (0,) for s in specs]
 
 
 SETS = {}
