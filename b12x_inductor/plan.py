@@ -109,7 +109,7 @@ class Plan:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
-    scratch_bytes: int  # fp32 partial outputs and LSEs of the splits, allocated by the caller
+    scratch_bytes: int  # the splits' partial outputs (out's dtype) and fp32 LSEs, allocated by the caller
     v_from_k: bool = False  # V's tile is K's (no second load): only where Problem.v_in_k (the launch checks)
 
     @classmethod
@@ -135,12 +135,15 @@ class Plan:
 
 
 def split_scratch_bytes(problem: Problem, num_splits: int, always: bool = False) -> int:
-    """Bytes of split-KV scratch: fp32 partial outputs [rows, Hq, splits, Dv] and LSEs [rows, Hq, splits]
-    (none for one split, unless `always`: the CuTe family always writes partials and merges)."""
+    """Bytes of split-KV scratch: the splits' partial outputs [rows, Hq, splits, Dv] in out's dtype (q's), then
+    their fp32 LSEs [rows, Hq, splits] (none for one split, unless `always`: the CuTe family always writes
+    partials and merges). Each partial is normalized by its own row sum, a convex combination of V rows, so it
+    fits out's dtype as out itself does; the merge adds them in fp32 (kernels/triton/__init__.py,
+    split_partials, is the layout)."""
     if num_splits <= 1 and not always:
         return 0
-    rows = problem.batch * problem.q_len
-    return rows * problem.num_q_heads * num_splits * (problem.v_head_dim + 1) * 4
+    rows = problem.batch * problem.q_len * problem.num_q_heads * num_splits
+    return rows * (problem.v_head_dim * problem.q_dtype.itemsize + 4)
 
 
 @functools.cache

@@ -88,7 +88,7 @@ def direct_call(t: dict, mode: str, options: dict, tiles: dict):
     dv = t["v_cache"].shape[-1]
     splits = tiles.get("num_splits", 1)
     rows = q.shape[0] * q.shape[1] if q.dim() == 4 else 0
-    scratch_bytes = rows * q.shape[-2] * splits * (dv + 1) * 4 if splits > 1 else 0
+    scratch_bytes = rows * q.shape[-2] * splits * (dv * q.element_size() + 4) if splits > 1 else 0
     plan = Plan(mode=mode, family="triton", scratch_bytes=scratch_bytes, **tiles)
     return kernels.Call(
         **{k: t.get(k) for k in kernels.Call.INPUTS},

@@ -150,42 +150,42 @@ cpu decode 8x1               decode  torch  splits=1   m=0   n=0   warps=0 stage
 cpu verify 8x4               verify  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
 cpu extend 2x64              extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
 cpu packed T=256             extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-h200 decode 1x32768          decode  triton splits=64  m=16  n=32  warps=4 stages=3 scratch=1056768
-h200 decode 8x8192           decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=1056768
+h200 decode 1x32768          decode  triton splits=64  m=16  n=32  warps=4 stages=3 scratch=532480
+h200 decode 8x8192           decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=532480
 h200 decode 32x4096          decode  triton splits=1   m=16  n=64  warps=4 stages=3 scratch=0
 h200 decode 64x2048          decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
-h200 decode 128x1024         decode  triton splits=2   m=16  n=32  warps=4 stages=2 scratch=4227072
-h200 decode 16x16384         decode  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=1056768
+h200 decode 128x1024         decode  triton splits=2   m=16  n=32  warps=4 stages=2 scratch=2129920
+h200 decode 16x16384         decode  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=532480
 h200 decode fp8 32x4096      decode  triton splits=1   m=16  n=128 warps=4 stages=3 scratch=0
-h200 decode D=256 g=1        decode  triton splits=8   m=16  n=16  warps=4 stages=3 scratch=526336
-h200 verify 8x8192 S=4       verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=4227072
-h200 decode 24x4096          decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=792576
+h200 decode D=256 g=1        decode  triton splits=8   m=16  n=16  warps=4 stages=3 scratch=264192
+h200 verify 8x8192 S=4       verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=2129920
+h200 decode 24x4096          decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=399360
 h200 verify 32x4096 S=4      verify  triton splits=1   m=16  n=64  warps=4 stages=3 scratch=0
 h200 decode 49x4096          decode  triton splits=1   m=16  n=64  warps=4 stages=3 scratch=0
-h200 decode 50x4096          decode  triton splits=2   m=16  n=32  warps=4 stages=2 scratch=1651200
+h200 decode 50x4096          decode  triton splits=2   m=16  n=32  warps=4 stages=2 scratch=832000
 h200 decode 64x4096          decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
 h200 decode 72x4096          decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
 h200 decode 96x4096          decode  triton splits=1   m=16  n=32  warps=4 stages=2 scratch=0
-h200 decode 120x4096         decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=3962880
-h200 decode 128x4096         decode  triton splits=2   m=16  n=32  warps=4 stages=2 scratch=4227072
-h200 decode 160x4096         decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=5283840
+h200 decode 120x4096         decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=1996800
+h200 decode 128x4096         decode  triton splits=2   m=16  n=32  warps=4 stages=2 scratch=2129920
+h200 decode 160x4096         decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=2662400
 h200 decode 128x256          decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
-h200 decode Hkv=4 32x4096    decode  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=1849344
+h200 decode Hkv=4 32x4096    decode  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=931840
 h200 verify 64x2048 S=16     verify  triton splits=1   m=64  n=64  warps=8 stages=3 scratch=0
 h200 verify G=8 32x4096 S=4  verify  triton splits=1   m=32  n=64  warps=4 stages=3 scratch=0
-h200 verify G=8 8x8192 S=8   verify  triton splits=4   m=64  n=64  warps=8 stages=3 scratch=8454144
+h200 verify G=8 8x8192 S=8   verify  triton splits=4   m=64  n=64  warps=8 stages=3 scratch=4259840
 h200 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 h200 packed T=16384          extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 h200 extend D=256            extend  triton splits=1   m=128 n=64  warps=8 stages=2 scratch=0
 h200 swa127 decode 32x4096   decode  triton splits=1   m=16  n=64  warps=4 stages=3 scratch=0
-h200 full decode 32x4096     decode  triton splits=2   m=16  n=64  warps=4 stages=3 scratch=1064960
+h200 full decode 32x4096     decode  triton splits=2   m=16  n=64  warps=4 stages=3 scratch=540672
 h200 swa127 verify 32x4096   verify  triton splits=1   m=32  n=64  warps=4 stages=3 scratch=0
-h200 swa1023 decode 8x16384  decode  triton splits=4   m=16  n=64  warps=4 stages=3 scratch=532480
-h200 mla H128 decode 32x4096 decode  triton splits=2   m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k
-h200 mla H128 own v 32x4096  decode  triton splits=2   m=64  n=32  warps=8 stages=2 scratch=16809984
-h200 mla H128 decode 1x32768 decode  triton splits=64  m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k
-h200 mla H16 decode 32x4096  decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=8404992 v_from_k
-h200 mla H16 verify 32x4096  verify  triton splits=4   m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k
+h200 swa1023 decode 8x16384  decode  triton splits=4   m=16  n=64  warps=4 stages=3 scratch=270336
+h200 mla H128 decode 32x4096 decode  triton splits=2   m=64  n=64  warps=8 stages=2 scratch=8421376 v_from_k
+h200 mla H128 own v 32x4096  decode  triton splits=2   m=64  n=32  warps=8 stages=2 scratch=8421376
+h200 mla H128 decode 1x32768 decode  triton splits=64  m=64  n=64  warps=8 stages=2 scratch=8421376 v_from_k
+h200 mla H16 decode 32x4096  decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=4210688 v_from_k
+h200 mla H16 verify 32x4096  verify  triton splits=4   m=64  n=64  warps=8 stages=2 scratch=8421376 v_from_k
 l40 mla H128 decode 32x4096  decode  triton splits=1   m=16  n=32  warps=4 stages=2 scratch=0 v_from_k
 h200 mla H128 extend 2x512   extend  triton splits=1   m=32  n=16  warps=8 stages=2 scratch=0""")
 
@@ -196,29 +196,29 @@ h200 mla H128 extend 2x512   extend  triton splits=1   m=32  n=16  warps=8 stage
 
         with mock.patch.object(cute, "available", lambda: True):  # installed or not: CuTe is sm90 only
             self.assertExpectedInline(table_other_gpus(), """\
-a100 decode 8x8192           decode  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=528384
+a100 decode 8x8192           decode  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=266240
 a100 decode fp8 32x4096      decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-a100 verify 8x8192 S=4       verify  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=2113536
+a100 verify 8x8192 S=4       verify  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=1064960
 a100 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 a100 extend fp8 1x16384      extend  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-l40 decode 8x8192            decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=1056768
+l40 decode 8x8192            decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=532480
 l40 decode fp8 32x4096       decode  triton splits=1   m=16  n=128 warps=4 stages=3 scratch=0
-l40 verify 8x8192 S=4        verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=4227072
+l40 verify 8x8192 S=4        verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=2129920
 l40 extend 4x4096            extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 l40 extend fp8 1x16384       extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
-b200 decode 8x8192           decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=1056768
+b200 decode 8x8192           decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=532480
 b200 decode fp8 32x4096      decode  triton splits=1   m=16  n=128 warps=4 stages=3 scratch=0
-b200 verify 8x8192 S=4       verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=4227072
+b200 verify 8x8192 S=4       verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=2129920
 b200 extend 4x4096           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 b200 extend fp8 1x16384      extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
-rtx5090 decode 8x8192        decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=1056768
+rtx5090 decode 8x8192        decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=532480
 rtx5090 decode fp8 32x4096   decode  triton splits=1   m=16  n=128 warps=4 stages=3 scratch=0
-rtx5090 verify 8x8192 S=4    verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=4227072
+rtx5090 verify 8x8192 S=4    verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=2129920
 rtx5090 extend 4x4096        extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 rtx5090 extend fp8 1x16384   extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
-spark decode 8x8192          decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=264192
+spark decode 8x8192          decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=133120
 spark decode fp8 32x4096     decode  triton splits=1   m=16  n=128 warps=4 stages=3 scratch=0
-spark verify 8x8192 S=4      verify  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=1056768
+spark verify 8x8192 S=4      verify  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=532480
 spark extend 4x4096          extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
 spark extend fp8 1x16384     extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0""")
 
@@ -229,17 +229,17 @@ spark extend fp8 1x16384     extend  triton splits=1   m=128 n=128 warps=8 stage
 
         with mock.patch.object(cute, "available", lambda: True):
             self.assertExpectedInline(table_cute(), """\
-fp8 decode 1x32768           decode  cute   splits=64  m=1   n=64  warps=4 stages=2 scratch=1056768
-fp8 decode 8x8192            decode  cute   splits=16  m=1   n=64  warps=4 stages=2 scratch=2113536
-fp8 decode 32x4096           decode  cute   splits=4   m=16  n=128 warps=4 stages=2 scratch=2113536
-fp8 decode 64x2048           decode  cute   splits=2   m=16  n=128 warps=4 stages=2 scratch=2113536
-fp8 decode 128x1024          decode  cute   splits=1   m=16  n=128 warps=4 stages=2 scratch=2113536
-fp8 decode 16x16384          decode  cute   splits=8   m=16  n=128 warps=4 stages=2 scratch=2113536
-fp8 decode D=64 HND p=1      decode  triton splits=2   m=16  n=128 warps=4 stages=3 scratch=133120
-fp8 decode D=96              decode  triton splits=4   m=16  n=128 warps=4 stages=3 scratch=397312
-fp8 decode G=8               decode  triton splits=4   m=16  n=128 warps=4 stages=3 scratch=1056768
+fp8 decode 1x32768           decode  cute   splits=64  m=1   n=64  warps=4 stages=2 scratch=532480
+fp8 decode 8x8192            decode  cute   splits=16  m=1   n=64  warps=4 stages=2 scratch=1064960
+fp8 decode 32x4096           decode  cute   splits=4   m=16  n=128 warps=4 stages=2 scratch=1064960
+fp8 decode 64x2048           decode  cute   splits=2   m=16  n=128 warps=4 stages=2 scratch=1064960
+fp8 decode 128x1024          decode  cute   splits=1   m=16  n=128 warps=4 stages=2 scratch=1064960
+fp8 decode 16x16384          decode  cute   splits=8   m=16  n=128 warps=4 stages=2 scratch=1064960
+fp8 decode D=64 HND p=1      decode  triton splits=2   m=16  n=128 warps=4 stages=3 scratch=67584
+fp8 decode D=96              decode  triton splits=4   m=16  n=128 warps=4 stages=3 scratch=200704
+fp8 decode G=8               decode  triton splits=4   m=16  n=128 warps=4 stages=3 scratch=532480
 fp8 decode sm80              decode  torch  splits=1   m=0   n=0   warps=0 stages=0 scratch=0
-fp8 verify 8x8192 S=4        verify  triton splits=4   m=16  n=128 warps=4 stages=3 scratch=2113536
+fp8 verify 8x8192 S=4        verify  triton splits=4   m=16  n=128 warps=4 stages=3 scratch=1064960
 bf16 decode 32x4096          decode  triton splits=1   m=16  n=64  warps=4 stages=3 scratch=0
 bf16 extend 1x16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
 bf16 packed T=16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
@@ -247,13 +247,13 @@ bf16 extend D=64 8192:1024   extend  cute   splits=1   m=128 n=128 warps=12 stag
 bf16 extend D=256            extend  cute   splits=1   m=128 n=48  warps=12 stages=3 scratch=0
 bf16 extend D=256 page 64    extend  cute   splits=1   m=128 n=32  warps=12 stages=4 scratch=0
 fp8 extend 1x16384           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
-mla H128 decode 32x4096      decode  cute   splits=2   m=64  n=64  warps=8 stages=2 scratch=16809984 v_from_k
+mla H128 decode 32x4096      decode  cute   splits=2   m=64  n=64  warps=8 stages=2 scratch=8421376 v_from_k
 mla H128 decode 64x4096      decode  cute   splits=1   m=64  n=64  warps=8 stages=2 scratch=0 v_from_k
-mla H128 decode 1x32768      decode  cute   splits=64  m=64  n=32  warps=12 stages=4 scratch=16809984 v_from_k
-mla H16 decode 1x32768       decode  cute   splits=128 m=64  n=32  warps=12 stages=4 scratch=4202496 v_from_k
-mla H16 verify 32x4096       verify  cute   splits=4   m=64  n=32  warps=12 stages=4 scratch=16809984 v_from_k
-mla H16 decode page 1        decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=8404992 v_from_k
-mla H16 decode fp8           decode  cute   splits=4   m=16  n=64  warps=12 stages=5 scratch=4202496 v_from_k
+mla H128 decode 1x32768      decode  cute   splits=64  m=64  n=32  warps=12 stages=4 scratch=8421376 v_from_k
+mla H16 decode 1x32768       decode  cute   splits=128 m=64  n=32  warps=12 stages=4 scratch=2105344 v_from_k
+mla H16 verify 32x4096       verify  cute   splits=4   m=64  n=32  warps=12 stages=4 scratch=8421376 v_from_k
+mla H16 decode page 1        decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=4210688 v_from_k
+mla H16 decode fp8           decode  cute   splits=4   m=16  n=64  warps=12 stages=5 scratch=2105344 v_from_k
 mla H128 extend 2x512        extend  triton splits=1   m=32  n=16  warps=8 stages=2 scratch=0""")
 
     def test_modes_from_static_shapes(self):

@@ -247,7 +247,7 @@ def _compiled(key):
 
     pointers = dict(q_ptr=ptr(qt, q_dtype.itemsize), k_ptr=ptr(kvt, 16), v_ptr=ptr(kvt, 16), pt_ptr=ptr(Int32),
                     seqlens_ptr=ptr(Int32), kv_start_ptr=ptr(Int32), kds_ptr=ptr(Float32), vds_ptr=ptr(Float32),
-                    part_o_ptr=ptr(Float32), part_l_ptr=ptr(Float32))
+                    part_o_ptr=ptr(qt, q_dtype.itemsize), part_l_ptr=ptr(Float32))
     return cute.compile(kernel, *_fake_args(type(kernel), pointers))
 
 
@@ -333,7 +333,7 @@ def _compiled_mla(key):
         return make_ptr(dt, 1 << 20, gmem, assumed_align=align)
 
     pointers = dict(q_ptr=ptr(qt, 16), qpe_ptr=ptr(qt, 16), k_ptr=ptr(kt, 16), pt_ptr=ptr(Int32),
-                    seqlens_ptr=ptr(Int32), kv_start_ptr=ptr(Int32), sinks_ptr=ptr(Float32), part_o_ptr=ptr(Float32),
+                    seqlens_ptr=ptr(Int32), kv_start_ptr=ptr(Int32), sinks_ptr=ptr(Float32), part_o_ptr=ptr(qt, 16),
                     part_l_ptr=ptr(Float32), out_ptr=ptr(qt, 2), lse_ptr=ptr(Float32), kds_ptr=ptr(Float32),
                     vds_ptr=ptr(Float32))
     return cute.compile(kernel, *_fake_args(cls, pointers))
@@ -470,7 +470,7 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     compiled = _compiled(_key(shapes, plan, options))
     splits = plan["num_splits"]
     rows = batch * s * hq * splits
-    part_o, part_l = split_partials(scratch, rows, d)
+    part_o, part_l = split_partials(scratch, rows, d, out.dtype)
     kp, ko, kh = _cache_strides(k_cache.stride(), layout)
     vp, vo, vh = _cache_strides(v_cache.stride(), layout)
     kds, kds_b, kds_h, has_kds = _descale(tensors["k_descale"], lse)
@@ -486,7 +486,8 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
             q_ptr=_ptr(q, q.element_size()), k_ptr=_ptr(k_cache, 16), v_ptr=_ptr(v_cache, 16),
             pt_ptr=_ptr(pt, 4, torch.int32), seqlens_ptr=_ptr(tensors["cache_seqlens"], 4, torch.int32),
             kv_start_ptr=_ptr(kv_start if kv_start is not None else lse, 4, torch.int32),
-            kds_ptr=_ptr(kds, 4, torch.float32), vds_ptr=_ptr(vds, 4, torch.float32), part_o_ptr=_ptr(part_o, 4),
+            kds_ptr=_ptr(kds, 4, torch.float32), vds_ptr=_ptr(vds, 4, torch.float32),
+            part_o_ptr=_ptr(part_o, part_o.element_size()),
             part_l_ptr=_ptr(part_l, 4), batch=Int32(batch),
             **_strides(q.stride()[:3], (kp, ko, kh), (vp, vo, vh), pt.stride(0)),
             kds_b=Int32(kds_b), kds_h=Int32(kds_h), vds_b=Int32(vds_b), vds_h=Int32(vds_h),
@@ -538,7 +539,8 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
         _check_aligned("out", out, MLA_DV)  # one split: the kernel writes out's rows in 16-byte stores
     shapes = dict(q_len=s, hq=hq, page_size=page, q_dtype=q.dtype, kv_dtype=k_cache.dtype)
     compiled = _compiled_mla(_mla_key(shapes, plan, options))
-    part_o, part_l = split_partials(scratch, batch * s * hq * splits, MLA_DV) if splits > 1 else (lse, lse)
+    part_o, part_l = (split_partials(scratch, batch * s * hq * splits, MLA_DV, out.dtype) if splits > 1
+                      else (out, lse))
     kp, ko, _ = _cache_strides(k_cache.stride(), layout)
     kv_start, sinks = tensors["kv_start"], tensors["sinks"]
     softcap = float(options["softcap"])
@@ -550,7 +552,7 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
             q_ptr=_ptr(q, 16), qpe_ptr=_ptr(q_pe, 16), k_ptr=_ptr(k_cache, 16), pt_ptr=_ptr(pt, 4, torch.int32),
             seqlens_ptr=_ptr(tensors["cache_seqlens"], 4, torch.int32),
             kv_start_ptr=_ptr(kv_start if kv_start is not None else lse, 4, torch.int32),
-            sinks_ptr=_ptr(sinks if sinks is not None else lse, 4, torch.float32), part_o_ptr=_ptr(part_o, 4),
+            sinks_ptr=_ptr(sinks if sinks is not None else lse, 4, torch.float32), part_o_ptr=_ptr(part_o, 16),
             part_l_ptr=_ptr(part_l, 4), out_ptr=_ptr(out, 2), lse_ptr=_ptr(lse, 4), kds_ptr=_ptr(kds, 4),
             vds_ptr=_ptr(vds, 4), kds_b=Int32(kds_b), vds_b=Int32(vds_b), has_kds=Int32(has_kds),
             has_vds=Int32(has_vds), batch=Int32(batch),

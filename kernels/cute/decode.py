@@ -459,7 +459,7 @@ class SplitKernel:
                     o = total * (v_scale / l_r)
                 out_row = Int64((b * S + r // G) * (self.hkv * G) + h * G + r % G)
                 part = out_row * self.num_splits + Int64(split)
-                part_o[part * D + Int64(col)] = o
+                part_o[part * D + Int64(col)] = o.to(self.q_dtype)
                 if col == 0:
                     lse = Float32(-math.inf)
                     if l_r > Float32(0.0):

@@ -49,7 +49,7 @@ class MmaSplitKernel(SplitKernel):
         G = const_expr(self.g)
         out_row = Int64((b * self.s + r // G) * (self.hkv * G) + h * G + r % G)
         part = out_row * self.num_splits + Int64(split)
-        part_o[part * D + Int64(col)] = o
+        part_o[part * D + Int64(col)] = o.to(self.q_dtype)
         if col == 0:
             lse = Float32(-math.inf)
             if l_r > Float32(0.0):

@@ -313,10 +313,10 @@ class MlaSplitKernel:
                   lse_ptr: cute.Pointer, v_scale: Float32):
         """The row sums (this consumer's partial sums, reduced over the quad, plus the other's), then this
         consumer's 256 columns of each row, times `v_scale` (a float8 cache's V descale, else 1). Several splits:
-        the normalized partial output and (consumer 0) the row's log2-sum-exp in the merge kernel's layout, row
-        (b * S + token) * Hq + head, then split. One split: the output itself (out [B, S, Hq, 512] in q's dtype)
-        and lse (natural log), with the sink folded into the denominator as the merge kernel folds it; zeros and
-        -inf for a row that saw no key."""
+        the normalized partial output (out's 16-bit type) and (consumer 0) the row's log2-sum-exp in the merge
+        kernel's layout, row (b * S + token) * Hq + head, then split. One split: the output itself (out [B, S,
+        Hq, 512] in q's dtype) and lse (natural log), with the sink folded into the denominator as the merge
+        kernel folds it; zeros and -inf for a row that saw no key."""
         sL = storage.row_sum.get_tensor(cute.make_layout((2, BLOCK_M), stride=(BLOCK_M, 1)))
         for rh in cutlass.range_constexpr(2):
             l_r = l_run[rh]
@@ -335,20 +335,18 @@ class MlaSplitKernel:
         # writes its scaled pairs into rows of DV values, 16-byte chunks swizzled by row % 8 (conflict-free), then
         # the 256 threads copy whole 16-byte chunks out, each warp 512 contiguous bytes of a row (the fragment's
         # own stores would touch 8 rows of 8 bytes each per instruction).
-        ODT = self.dtype
-        if const_expr(not ONE):
-            ODT = Float32
-        EPC = const_expr(128 // ODT.width)  # elements per 16-byte chunk: 8 (16-bit out) or 4 (fp32 partials)
+        ODT = self.dtype  # out's 16-bit type, also the partials' (split_partials)
+        EPC = const_expr(128 // ODT.width)  # elements per 16-byte chunk: 8
         CPR = const_expr(DV // EPC)  # chunks per row
         ring = cute.recast_ptr(storage.kv.data_ptr(), dtype=ODT)
         if const_expr(self.stages * self.tile_n * D * 2 < BLOCK_M * DV * ODT.width // 8):
-            # a ring smaller than the rows (2 stages of 32 keys: 72 KB, 128 KB of fp32 partials) starts at Q's
-            # tile, which the ring directly follows (storage.mla_storage) and no product reads any more either
+            # a ring smaller than the rows would start at Q's tile, which the ring directly follows
+            # (storage.mla_storage) and no product reads any more either (no plan's ring is: 2 stages of 32
+            # keys are 72 KB, the rows 64 KB)
             ring = cute.recast_ptr(storage.q.data_ptr(), dtype=ODT)
         s_o = cute.make_tensor(ring, cute.make_layout((BLOCK_M, CPR, EPC), stride=(DV, EPC, 1)))
-        s_w = cute.make_tensor(cute.recast_ptr(ring, dtype=Uint32),
-                               cute.make_layout((BLOCK_M, CPR, EPC * ODT.width // 32), stride=(DV * ODT.width // 32,
-                                                                                              EPC * ODT.width // 32, 1)))
+        s_w = cute.make_tensor(cute.recast_ptr(ring, dtype=Uint32),  # the same rows as pairs of 16-bit values
+                               cute.make_layout((BLOCK_M, CPR, EPC // 2), stride=(DV // 2, EPC // 2, 1)))
         for rh in cutlass.range_constexpr(2):
             row = t_co[2 * rh][0]
             r = rb * BLOCK_M + row
@@ -358,12 +356,8 @@ class MlaSplitKernel:
                 if const_expr((e // 2) % 2 == rh):
                     col = wgc * HALF + t_co[e][1]
                     ch = (col // EPC) ^ (row % 8)
-                    if const_expr(ONE):
-                        s_w[row, ch, (col % EPC) // 2] = pack2(acc_o[e] * f, acc_o[e + 1] * f,
-                                                                bf16=self.dtype == cutlass.BFloat16)
-                    else:
-                        s_o[row, ch, col % EPC] = acc_o[e] * f
-                        s_o[row, ch, col % EPC + 1] = acc_o[e + 1] * f
+                    s_w[row, ch, (col % EPC) // 2] = pack2(acc_o[e] * f, acc_o[e + 1] * f,
+                                                            bf16=self.dtype == cutlass.BFloat16)
             if r < self.rows:
                 part = Int64(b) * self.rows + Int64(r)
                 if const_expr(not ONE):

@@ -493,10 +493,10 @@ class MlaNarrowKernel(MlaSplitKernel):
         """The two consumers merged, as two splits: each publishes its column maxima and per-warp column sums
         (`fin`), each column's max m and sum l over both are formed, each consumer's O^T is scaled by
         exp2(m_c - m) and by the output's factor, consumer 0 stages its part in the ring (rows of STAGE_ROW fp32)
-        and consumer 1 adds its own, then the 256 threads copy whole 16-byte chunks out. Several splits: the
-        normalized partial output and log2-sum-exp in the merge kernel's layout (row (b S + token) Hq + head, then
-        split); one split: out and lse (natural log) with the sink folded in, as mla.py. Zeros and -inf for a row
-        that saw no key."""
+        and consumer 1 adds its own, then the 256 threads copy whole 16-byte chunks out (8 values each, packed
+        to q's 16-bit type). Several splits: the normalized partial output and log2-sum-exp in the merge kernel's
+        layout (row (b S + token) Hq + head, then split); one split: out and lse (natural log) with the sink
+        folded in, as mla.py. Zeros and -inf for a row that saw no key."""
         ONE = const_expr(self.num_splits == 1)
         fin = storage.fin.get_tensor(cute.make_layout((2, 5, ROWS), stride=(5 * ROWS, ROWS, 1)))  # (c, 4 sums + max)
         for cq in cutlass.range_constexpr(4):
@@ -545,30 +545,25 @@ class MlaNarrowKernel(MlaSplitKernel):
                     d = self._dim(mt, t_co[e][0])
                     stg[n, d] = stg[n, d] + acc_o[mt][e] * fac[_col(e)]
         cute.arch.barrier(barrier_id=END_BAR, number_of_threads=256)
-        if const_expr(ONE):  # 8 values a chunk, packed to q's 16-bit type
-            chunk = cute.make_rmem_tensor((4,), Uint32)
-            for i in cutlass.range_constexpr(ROWS * DV // 8 // 256):
-                e = ctid + i * 256
-                row = e // (DV // 8)
-                ch = e % (DV // 8)
-                if row < self.rows:
-                    for k in cutlass.range_constexpr(4):
-                        chunk[k] = pack2(stg[row, 8 * ch + 2 * k], stg[row, 8 * ch + 2 * k + 1],
-                                         bf16=self.dtype == cutlass.BFloat16)
-                    addr = out_ptr.toint() + ((Int64(b) * self.rows + row) * DV + ch * 8) * 2
-                    cute.autovec_copy(chunk, cute.make_tensor(cute.make_ptr(Uint32, addr, cute.AddressSpace.gmem,
-                                                                            assumed_align=16), cute.make_layout((4,))))
-        else:  # fp32 partials, 4 values a chunk
-            for i in cutlass.range_constexpr(ROWS * DV // 4 // 256):
-                e = ctid + i * 256
-                row = e // (DV // 4)
-                ch = e % (DV // 4)
-                if row < self.rows:
-                    part = (Int64(b) * self.rows + row) * self.num_splits + Int64(split)
-                    addr = part_o_ptr.toint() + (part * DV + ch * 4) * 4
-                    src = cute.make_tensor(stg.iterator + (row * STAGE_ROW + ch * 4), cute.make_layout((4,)))
-                    cute.autovec_copy(src, cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.gmem,
-                                                                          assumed_align=16), cute.make_layout((4,))))
+        # 8 values a chunk, packed to q's 16-bit type: out's rows, or (several splits) the partials'
+        o_base = out_ptr.toint()
+        if const_expr(not ONE):
+            o_base = part_o_ptr.toint()
+        chunk = cute.make_rmem_tensor((4,), Uint32)
+        for i in cutlass.range_constexpr(ROWS * DV // 8 // 256):
+            e = ctid + i * 256
+            row = e // (DV // 8)
+            ch = e % (DV // 8)
+            if row < self.rows:
+                for k in cutlass.range_constexpr(4):
+                    chunk[k] = pack2(stg[row, 8 * ch + 2 * k], stg[row, 8 * ch + 2 * k + 1],
+                                     bf16=self.dtype == cutlass.BFloat16)
+                part = Int64(b) * self.rows + row
+                if const_expr(not ONE):
+                    part = part * self.num_splits + Int64(split)
+                addr = o_base + (part * DV + ch * 8) * 2
+                cute.autovec_copy(chunk, cute.make_tensor(cute.make_ptr(Uint32, addr, cute.AddressSpace.gmem,
+                                                                        assumed_align=16), cute.make_layout((4,))))
 
 
 def _elem(cq: int) -> int:

@@ -223,12 +223,13 @@ def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
     return None
 
 
-def split_partials(scratch: torch.Tensor, rows: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(part_o [rows * d], part_l [rows]) fp32 views of a split-KV scratch (rows: B x S x Hq x splits; d: the
-    value head dim Dv, the partial outputs' width), the layout both families' split kernels write and the
-    merge kernel reads."""
-    part = scratch.view(torch.float32)
-    return part[: rows * d], part[rows * d: rows * (d + 1)]
+def split_partials(scratch: torch.Tensor, rows: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(part_o [rows * d] of `dtype`, part_l [rows] fp32) views of a split-KV scratch (rows: B x S x Hq x splits;
+    d: the value head dim Dv, the partial outputs' width; dtype: out's), the layout both families' split kernels
+    write and the merge kernel reads (plan.split_scratch_bytes sizes it). part_o starts the scratch, so its rows
+    are as aligned as the scratch; part_l follows on a 4-byte boundary (d is even)."""
+    o_bytes = rows * d * dtype.itemsize
+    return scratch[:o_bytes].view(dtype), scratch[o_bytes: o_bytes + rows * 4].view(torch.float32)
 
 
 def _launch_of(call) -> Launch:
@@ -254,7 +255,7 @@ def _launch_of(call) -> Launch:
         km_strides = (km.stride(0), km.stride(1) if km.shape[1] > 1 else 0, km.stride(2))
     if call.mode != "extend" and call.plan.num_splits > 1:
         part_o, part_l = split_partials(call.scratch, batch * q_len * q.shape[-2] * call.plan.num_splits,
-                                        v_cache.shape[-1])
+                                        v_cache.shape[-1], call.out.dtype)
     return Launch(
         batch=batch, q_len=q_len, packed=call.packed, hq=q.shape[-2], hkv=hkv, d=call.head_dim,
         dv=v_cache.shape[-1], page_size=page_size,
@@ -323,7 +324,7 @@ def warmup_launch(problem, options) -> Launch:
         seqlens=i32, cu=i32, kv_start=i32, sinks=f32, kds=Descale(f32), vds=Descale(f32),
         key_mask=torch.uint8 if problem.key_mask else i32, km_strides=(0, 0, 0), has_key_mask=problem.key_mask,
         out=problem.q_dtype,
-        lse=f32, part_o=f32, part_l=f32, has_kv_start=0, has_sinks=0)
+        lse=f32, part_o=problem.q_dtype, part_l=f32, has_kv_start=0, has_sinks=0)
 
 
 def precompile(problem, plan, options) -> None:

@@ -5,8 +5,9 @@ one partition of the visible key range. Its BLOCK_M query rows are the S new tok
 heads of that KV head (row r: token r // G, head h * G + r % G), so each KV tile is read once for all of
 them and both products go through `tl.dot`. The partition is sized on the device from the live length,
 so the same compiled kernel serves every length. With num_splits == 1 it writes out and lse directly;
-otherwise it writes each split's normalized partial output and log2-sum-exp into the scratch and stage 2
-(`merge_kernel`, grid (B * S * Hq, DV column blocks): `merge_launch`) combines them with the sink.
+otherwise it writes each split's normalized partial output (in out's dtype) and log2-sum-exp (fp32) into the
+scratch and stage 2 (`merge_kernel`, grid (B * S * Hq, DV column blocks): `merge_launch`) combines them with the
+sink.
 
 Key j of request b lives at page page_table[b, j // PAGE] offset j % PAGE; the page id is widened to 64 bits
 before it is multiplied by the cache's page stride. The split kernel reads each tile's page ids one iteration
@@ -135,16 +136,18 @@ def split_kernel(
     else:
         part = out_row * NUM_SPLITS + split
         o = tl.where(seen[:, None], acc * (v_scale / safe_l)[:, None], 0.0)
-        tl.store(PART_O + part[:, None] * DV + offs_dv[None, :], o, mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(PART_O + part[:, None] * DV + offs_dv[None, :], o.to(PART_O.dtype.element_ty),
+                 mask=row_ok[:, None] & dv_ok[None, :])
         tl.store(PART_L + part, tl.where(seen, m_i + tl.log2(safe_l), float("-inf")), mask=row_ok)
 
 
-MERGE_TILE_ELEMS = 4096  # fp32 partials one merge program holds: 32 a thread at 4 warps, never a spill
+MERGE_TILE_ELEMS = 4096  # partials one merge program holds (as fp32): 32 a thread at 4 warps, never a spill
 
 
 def merge_launch(rows: int, hq: int, dv: int, splits: int) -> tuple[tuple[int, int], dict]:
     """(grid, compile-time arguments and launch options) of the merge kernel, one place for both families'
-    launches. `rows` is B * S * Hq; the splits' partials are [row, split, DV] fp32 and LSEs [row, split].
+    launches. `rows` is B * S * Hq; the splits' partials are [row, split, DV] in out's dtype and LSEs [row, split]
+    fp32 (split_partials); the merge adds them in fp32.
 
     A program merges one row's splits over BLOCK_DV of its DV columns, holding a [SPLITS_P2, BLOCK_DV] tile of
     partials: BLOCK_DV shrinks as the splits grow (at most MERGE_TILE_ELEMS in all), so 128 splits of MLA's 512
@@ -179,7 +182,7 @@ def merge_kernel(
     m_f = m_new
     denom = tl.where(seen, denom, 1.0)
     part_o = tl.load(PART_O + (row * NUM_SPLITS + offs_s)[:, None] * DV + offs_d[None, :],
-                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+                     mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     o = tl.sum(part_o * (w / denom)[:, None], 0)
     o = tl.where(seen, o, 0.0)
     tl.store(OUT + row * DV + offs_d, o.to(OUT.dtype.element_ty), mask=d_ok)

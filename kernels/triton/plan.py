@@ -30,7 +30,7 @@ load instead of two, where v_cache is k_cache's first Dv columns and K's first c
 where a KV head has at least 64 rows (H >= 64 decode, H = 16 verify S >= 4), else 16 rows with 4 warps and 32-key
 tiles. A 64-row program (a 64 x 512 fp32 accumulator, 221 KB of shared memory) is one per SM, so its splits aim at 1
 program per SM, and only sm90 / sm100 (227 KB a block) take it: sm80, sm89 and sm120 keep 16 rows (56 KB). The
-16-row tile's splits aim at 2 programs per SM: each split also writes a 16 x 512 fp32 partial. On sm90 / sm100 it
+16-row tile's splits aim at 2 programs per SM: each split also writes a 16 x 512 partial. On sm90 / sm100 it
 takes two K buffers (3 stages, 93 KB: two still fit an SM) where V comes from K's tile and the cache is bf16 / fp16:
 11-14 % faster on MLA's H 16 decode rows at pages of one key, the Triton plan's pages on the H200 (h200.md, "Session
 42"); the other GPUs fit one such program an SM. MLA splits stay at most 64 (MLA_MAX_SPLITS). Where v_cache is a
@@ -48,7 +48,7 @@ from b12x_inductor.plan import FP8, Plan, Problem, next_pow2, prev_pow2, split_c
 
 SPLIT_RULE = dict(programs_per_sm=4, min_split_keys=256, max_splits=128)
 MLA_WIDE_ROWS = 64  # MLA decode/verify: query rows of the wide tile (one program per SM)
-MLA_PROGRAMS_PER_SM = 2  # MLA's 16-row tile: each split also writes 16 x 512 fp32 partials
+MLA_PROGRAMS_PER_SM = 2  # MLA's 16-row tile: each split also writes 16 x 512 partials
 MLA_WIDE_PROGRAMS_PER_SM = 1
 MLA_WIDE_MAJORS = (9, 10)  # its 221 KB of shared memory (bf16, sm90) fit the 227 KB a block has on sm90/sm100
 WIDE_EXTEND_MAJORS = (9, 10)  # extend above D 128 (Gemma's 256): the 128 x 64 tile needs sm90 / sm100's 227 KB
