@@ -199,7 +199,7 @@ INTERPRETER_CASES = [
     ("verify_mla576_v_from_k_fp8", "verify", (2, 16, 16, True),
      dict(q_len=3, d=576, dv=512, hq=4, hkv=1, v_view=True, kv_dtype=F8, descale="b", nan_unused=True), dict()),
     # many splits: the merge takes a row's columns in blocks (kernels/triton/decode.py, merge_launch), and most
-    # splits of these short requests see no key (-inf partials); DV 512 in 16 blocks of 32, DV 128 in 2 of 64
+    # splits of these short requests see no key (-inf partials); DV 512 in 8 blocks of 64, DV 128 in 2 of 64
     ("decode_mla576_splits128_merge_blocks", "decode", (128, 16, 16, True),
      dict(d=576, dv=512, hq=4, hkv=1, v_view=True, lens=[0, 150], page_size=16, nan_unused=True, sinks=True), dict()),
     ("decode_splits64_merge_blocks", "decode", (64, 16, 16), dict(d=128, lens=[37, 201], sinks=True, nan_unused=True,

@@ -141,7 +141,8 @@ def split_kernel(
         tl.store(PART_L + part, tl.where(seen, m_i + tl.log2(safe_l), float("-inf")), mask=row_ok)
 
 
-MERGE_TILE_ELEMS = 4096  # partials one merge program holds (as fp32): 32 a thread at 4 warps, never a spill
+MERGE_MIN_PROGRAMS = 1024  # about 8 merge programs an SM: fewer rows take their columns in narrower blocks
+MERGE_MIN_BLOCK = 64
 
 
 def merge_launch(rows: int, hq: int, dv: int, splits: int) -> tuple[tuple[int, int], dict]:
@@ -149,14 +150,16 @@ def merge_launch(rows: int, hq: int, dv: int, splits: int) -> tuple[tuple[int, i
     launches. `rows` is B * S * Hq; the splits' partials are [row, split, DV] in out's dtype and LSEs [row, split]
     fp32 (split_partials); the merge adds them in fp32.
 
-    A program merges one row's splits over BLOCK_DV of its DV columns, holding a [SPLITS_P2, BLOCK_DV] tile of
-    partials: BLOCK_DV shrinks as the splits grow (at most MERGE_TILE_ELEMS in all), so 128 splits of MLA's 512
-    columns run as 16 programs a row instead of one that spills, and a few rows still spread over many SMs."""
-    splits_p2 = next_pow2(splits)
-    block_dv = min(next_pow2(dv), max(16, MERGE_TILE_ELEMS // splits_p2))
+    A program merges one row's splits over BLOCK_DV of its DV columns, one split at a time (a BLOCK_DV vector
+    of partials in registers, whatever the split count). BLOCK_DV is the whole row where there are rows enough
+    for MERGE_MIN_PROGRAMS programs, else it halves until there are (down to MERGE_MIN_BLOCK columns), so one
+    long request's few rows still spread over many SMs; a warp takes 128 columns (4 a thread)."""
+    block_dv = next_pow2(dv)
+    while block_dv > MERGE_MIN_BLOCK and rows * -(-dv // block_dv) < MERGE_MIN_PROGRAMS:
+        block_dv //= 2
     grid = (rows, -(-dv // block_dv))
-    return grid, dict(HQ=hq, DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=splits, SPLITS_P2=splits_p2, num_warps=4,
-                      num_stages=1)
+    return grid, dict(HQ=hq, DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits),
+                      num_warps=max(1, min(4, block_dv // 128)), num_stages=2)
 
 
 @triton.jit(do_not_specialize=["SINKS", "has_sinks"])
@@ -164,27 +167,25 @@ def merge_kernel(
     PART_O, PART_L, SINKS, OUT, LSE, has_sinks,
     HQ: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
+    """out[row] = the splits' partials weighted by exp2(lse_s - m) over their sum plus the sink's exp2(sink - m)
+    (m: the largest of the LSEs and the sink), lse[row] its log (natural). A row no split saw (every LSE -inf):
+    zeros and -inf. The partials are added one split at a time, so no reduction crosses threads."""
     row = tl.program_id(0).to(tl.int64)  # (b * S + token) * Hq + head
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    s_ok = offs_s < NUM_SPLITS
     d_ok = offs_d < DV
-    part_l = tl.load(PART_L + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
-    m = tl.max(part_l, 0)
+    lse_row = PART_L + row * NUM_SPLITS
+    m = tl.max(tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf")), 0)
     seen = m > float("-inf")
-    m_f = tl.where(seen, m, 0.0)
-    w = tl.exp2(part_l - m_f)
-    denom = tl.sum(w, 0)
     sink = sink_logit(SINKS, row % HQ, has_sinks)
-    m_new = tl.maximum(m_f, sink)
-    w = w * tl.exp2(m_f - m_new)
-    denom = denom * tl.exp2(m_f - m_new) + tl.exp2(sink - m_new)
-    m_f = m_new
+    m = tl.maximum(tl.where(seen, m, 0.0), sink)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    denom = tl.exp2(sink - m)
+    for s in tl.range(0, NUM_SPLITS):
+        w = tl.exp2(tl.load(lse_row + s) - m)  # 0 for a split that saw no key (its partial is zeros)
+        denom += w
+        acc += w * tl.load(PART_O + (row * NUM_SPLITS + s) * DV + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     denom = tl.where(seen, denom, 1.0)
-    part_o = tl.load(PART_O + (row * NUM_SPLITS + offs_s)[:, None] * DV + offs_d[None, :],
-                     mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    o = tl.sum(part_o * (w / denom)[:, None], 0)
-    o = tl.where(seen, o, 0.0)
-    tl.store(OUT + row * DV + offs_d, o.to(OUT.dtype.element_ty), mask=d_ok)
+    tl.store(OUT + row * DV + offs_d, tl.where(seen, acc / denom, 0.0).to(OUT.dtype.element_ty), mask=d_ok)
     if tl.program_id(1) == 0:
-        tl.store(LSE + row, tl.where(seen, (m_f + tl.log2(denom)) * LN2, float("-inf")))
+        tl.store(LSE + row, tl.where(seen, (m + tl.log2(denom)) * LN2, float("-inf")))
