@@ -272,9 +272,39 @@ def test_interpreter_matches_reference(interpreter_results, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [c[0] for c in INTERPRETER_CASES if "merge_blocks" in c[0]])
 def test_gpu_merge_in_column_blocks(name):
-    """The many-split interpreter cases compiled and run on the GPU: 128 splits of MLA's 512 columns (16 column
+    """The many-split interpreter cases compiled and run on the GPU: 128 splits of MLA's 512 columns (8 column
     blocks a row) and 64 of 128 columns (2 blocks), most splits seeing no key, an empty request, sinks."""
     _run_case(next(c for c in INTERPRETER_CASES if c[0] == name), device="cuda")
+
+
+def test_merge_launch_and_partials_layout():
+    """merge_launch: a program takes a whole row where the rows give MERGE_MIN_PROGRAMS programs, else narrower
+    column blocks down to MERGE_MIN_BLOCK, a warp per 128 columns. split_partials: the partials in out's dtype
+    first, then the fp32 LSEs, exactly filling the bytes split_scratch_bytes gives."""
+    from b12x_inductor.kernels.triton import split_partials
+    from b12x_inductor.kernels.triton.decode import MERGE_MIN_BLOCK, MERGE_MIN_PROGRAMS, merge_launch
+    from b12x_inductor.plan import Problem, split_scratch_bytes
+
+    # (rows, Dv, splits): (grid, BLOCK_DV, warps)
+    cases = {(4096, 512, 2): ((4096, 1), 512, 4), (512, 512, 8): ((512, 2), 256, 2),
+             (128, 512, 64): ((128, 8), 64, 1), (4, 512, 128): ((4, 8), 64, 1), (32, 128, 64): ((32, 2), 64, 1),
+             (8192, 128, 4): ((8192, 1), 128, 1)}
+    for (rows, dv, splits), want in cases.items():
+        grid, meta = merge_launch(rows, 16, dv, splits)
+        assert (grid, meta["BLOCK_DV"], meta["num_warps"], meta["NUM_SPLITS"]) == (*want, splits)
+        assert grid[0] * grid[1] >= MERGE_MIN_PROGRAMS or meta["BLOCK_DV"] == MERGE_MIN_BLOCK
+    for dtype, itemsize in ((torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 4)):
+        p = Problem(batch=3, q_len=2, packed=False, num_q_heads=16, num_kv_heads=1, head_dim=576, v_head_dim=512,
+                    page_size=64, max_pages=8, q_dtype=dtype, kv_dtype=dtype, kv_layout="NHD", device_type="cuda",
+                    sm_count=132, capability=(9, 0))
+        n = 3 * 2 * 16 * 5  # rows x splits
+        scratch = torch.empty(split_scratch_bytes(p, 5), dtype=torch.uint8)
+        assert scratch.numel() == n * (512 * itemsize + 4)
+        part_o, part_l = split_partials(scratch, n, 512, dtype)
+        assert (part_o.dtype, part_o.numel(), part_l.dtype, part_l.numel()) == (dtype, n * 512, torch.float32, n)
+        assert part_o.data_ptr() == scratch.data_ptr()
+        assert part_l.data_ptr() == scratch.data_ptr() + n * 512 * itemsize
+        assert part_l.data_ptr() + 4 * n == scratch.data_ptr() + scratch.numel()
 
 
 def test_triton_plan_is_sized(monkeypatch):
