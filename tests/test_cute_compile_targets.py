@@ -131,6 +131,8 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
             def launch(*args, num_warps, num_stages, **constants):
                 assert list(real_merge.arg_names) == [*real_merge.arg_names[:len(args)], *constants], constants
                 assert constants["DV"] == t["v_cache"].shape[-1], constants
+                # the partials in out's dtype (q's), their LSEs fp32 (split_partials)
+                assert (args[0].dtype, args[1].dtype) == (t["q"].dtype, torch.float32), (args[0].dtype, args[1].dtype)
                 launched.append("merge")
             return launch
 

@@ -642,11 +642,12 @@ def test_gpu_compile_reduce_overhead_no_skip_no_recompile():
 
 @pytest.mark.gpu
 def test_gpu_warmup_precompiles():
-    """warmup() compiles the bucket's kernels; the first real call then compiles nothing new."""
+    """warmup() compiles the bucket's kernels (a split plan: the split kernel and the merge); the first real call
+    then compiles nothing new."""
     import b12x_inductor as b12x
     from b12x_inductor.kernels.triton import decode
 
-    t = make_inputs(batch=2, hq=8, hkv=2, d=64, page_size=16, lens=[77, 300], device="cuda", seed=2)
+    t = make_inputs(batch=2, hq=8, hkv=2, d=64, page_size=16, lens=[77, 1000], device="cuda", seed=2)
     problem_plan = _plan_of(t, dict(kv_layout="NHD"))
     from b12x_inductor import validate
 
@@ -655,14 +656,16 @@ def test_gpu_warmup_precompiles():
                                              window_left=-1, kv_start=None, sinks=None, softcap=0.0,
                                              k_descale=None, v_descale=None, out=None)
     b12x.warmup([problem], scale=0.3)
+    assert problem_plan.num_splits > 1  # so the merge kernel is part of the bucket
+
     def compiled_variants():
         try:
-            return sum(len(c[0]) for c in decode.split_kernel.device_caches.values())
+            return sum(len(c[0]) for k in (decode.split_kernel, decode.merge_kernel) for c in k.device_caches.values())
         except (AttributeError, TypeError):
             return None
 
     before = compiled_variants()
-    assert before is None or before >= 1
+    assert before is None or before >= 2
     _call(t, dict(kv_layout="NHD", scale=0.3))
     torch.cuda.synchronize()
     assert compiled_variants() == before, "the first call compiled a new kernel variant"

@@ -599,8 +599,8 @@ def _precompile_merge(problem, splits: int) -> None:
 
     hq = problem.num_q_heads
     grid, merge = triton_decode.merge_launch(problem.batch * problem.q_len * hq, hq, problem.v_head_dim, splits)
-    k = triton_decode.merge_kernel.warmup(
-        torch.float32, torch.float32, torch.float32, problem.q_dtype, torch.float32, 0, grid=grid, **merge)
+    k = triton_decode.merge_kernel.warmup(  # partials in out's dtype (q's), LSEs, sinks, out, lse
+        problem.q_dtype, torch.float32, torch.float32, problem.q_dtype, torch.float32, 0, grid=grid, **merge)
     load_now(k)
 
 
