@@ -305,6 +305,8 @@ def test_merge_launch_and_partials_layout():
         assert part_o.data_ptr() == scratch.data_ptr()
         assert part_l.data_ptr() == scratch.data_ptr() + n * 512 * itemsize
         assert part_l.data_ptr() + 4 * n == scratch.data_ptr() + scratch.numel()
+        with pytest.raises(ValueError, match="scratch must hold"):  # a short scratch is refused, never overrun
+            split_partials(scratch[:-4], n, 512, dtype)
 
 
 def test_triton_plan_is_sized(monkeypatch):

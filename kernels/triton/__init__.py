@@ -229,6 +229,9 @@ def split_partials(scratch: torch.Tensor, rows: int, d: int, dtype: torch.dtype)
     write and the merge kernel reads (plan.split_scratch_bytes sizes it). part_o starts the scratch, so its rows
     are as aligned as the scratch; part_l follows on a 4-byte boundary (d is even)."""
     o_bytes = rows * d * dtype.itemsize
+    if scratch.numel() < o_bytes + rows * 4:
+        raise ValueError(f"paged_attention: scratch must hold {o_bytes + rows * 4} bytes ({rows} split rows of {d} "
+                         f"{dtype} values and an fp32 LSE each); got {scratch.numel()}")
     return scratch[:o_bytes].view(dtype), scratch[o_bytes: o_bytes + rows * 4].view(torch.float32)
 
 
