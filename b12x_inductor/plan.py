@@ -143,7 +143,12 @@ def split_scratch_bytes(problem: Problem, num_splits: int, always: bool = False)
     if num_splits <= 1 and not always:
         return 0
     rows = problem.batch * problem.q_len * problem.num_q_heads * num_splits
-    return rows * (problem.v_head_dim * problem.q_dtype.itemsize + 4)
+    return partials_bytes(rows, problem.v_head_dim, problem.q_dtype)
+
+
+def partials_bytes(rows: int, dv: int, dtype: torch.dtype) -> int:
+    """Bytes of `rows` split partials of `dv` values in `dtype` followed by their fp32 LSEs (split_partials)."""
+    return rows * (dv * dtype.itemsize + 4)
 
 
 @functools.cache

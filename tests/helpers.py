@@ -82,13 +82,13 @@ def direct_call(t: dict, mode: str, options: dict, tiles: dict):
     (Triton family), out and lse poisoned with NaN, on q's device: what the interpreter workers (and the GPU's
     direct cases) run without a Problem."""
     from b12x_inductor import kernels
-    from b12x_inductor.plan import Plan
+    from b12x_inductor.plan import Plan, partials_bytes
 
     q = t["q"]
     dv = t["v_cache"].shape[-1]
     splits = tiles.get("num_splits", 1)
     rows = q.shape[0] * q.shape[1] if q.dim() == 4 else 0
-    scratch_bytes = rows * q.shape[-2] * splits * (dv * q.element_size() + 4) if splits > 1 else 0
+    scratch_bytes = partials_bytes(rows * q.shape[-2] * splits, dv, q.dtype) if splits > 1 else 0
     plan = Plan(mode=mode, family="triton", scratch_bytes=scratch_bytes, **tiles)
     return kernels.Call(
         **{k: t.get(k) for k in kernels.Call.INPUTS},

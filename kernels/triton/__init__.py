@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from b12x_inductor.plan import FP8, Q_DTYPES_CUDA, head_dims_supported, next_pow2, prev_pow2
+from b12x_inductor.plan import FP8, Q_DTYPES_CUDA, head_dims_supported, next_pow2, partials_bytes, prev_pow2
 from b12x_inductor.validate import cache_dims
 
 from . import plan as _plan
@@ -228,10 +228,10 @@ def split_partials(scratch: torch.Tensor, rows: int, d: int, dtype: torch.dtype)
     d: the value head dim Dv, the partial outputs' width; dtype: out's), the layout both families' split kernels
     write and the merge kernel reads (plan.split_scratch_bytes sizes it). part_o starts the scratch, so its rows
     are as aligned as the scratch; part_l follows on a 4-byte boundary (d is even)."""
-    o_bytes = rows * d * dtype.itemsize
-    if scratch.numel() < o_bytes + rows * 4:
-        raise ValueError(f"paged_attention: scratch must hold {o_bytes + rows * 4} bytes ({rows} split rows of {d} "
-                         f"{dtype} values and an fp32 LSE each); got {scratch.numel()}")
+    o_bytes, need = rows * d * dtype.itemsize, partials_bytes(rows, d, dtype)
+    if scratch.numel() < need:
+        raise ValueError(f"paged_attention: scratch must hold {need} bytes ({rows} split rows of {d} {dtype} values "
+                         f"and an fp32 LSE each); got {scratch.numel()}")
     return scratch[:o_bytes].view(dtype), scratch[o_bytes: o_bytes + rows * 4].view(torch.float32)
 
 
