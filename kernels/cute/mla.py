@@ -338,12 +338,11 @@ class MlaSplitKernel:
         ODT = self.dtype  # out's 16-bit type, also the partials' (split_partials)
         EPC = const_expr(128 // ODT.width)  # elements per 16-byte chunk: 8
         CPR = const_expr(DV // EPC)  # chunks per row
-        ring = cute.recast_ptr(storage.kv.data_ptr(), dtype=ODT)
         if const_expr(self.stages * self.tile_n * D * 2 < BLOCK_M * DV * ODT.width // 8):
-            # a ring smaller than the rows would start at Q's tile, which the ring directly follows
-            # (storage.mla_storage) and no product reads any more either (no plan's ring is: 2 stages of 32
-            # keys are 72 KB, the rows 64 KB)
-            ring = cute.recast_ptr(storage.q.data_ptr(), dtype=ODT)
+            # the rows go out through the ring, which holds them in every geometry mla_geometry admits (2 stages
+            # of 32 keys: 72 KB; the rows: 64 KB)
+            raise ValueError(f"MLA epilogue: a ring of {self.stages} x {self.tile_n} keys cannot stage the rows")
+        ring = cute.recast_ptr(storage.kv.data_ptr(), dtype=ODT)
         s_o = cute.make_tensor(ring, cute.make_layout((BLOCK_M, CPR, EPC), stride=(DV, EPC, 1)))
         s_w = cute.make_tensor(cute.recast_ptr(ring, dtype=Uint32),  # the same rows as pairs of 16-bit values
                                cute.make_layout((BLOCK_M, CPR, EPC // 2), stride=(DV // 2, EPC // 2, 1)))
