@@ -181,6 +181,31 @@ def _decode_usage(kv_dtype):
     return _compile_only.resource_usage(kernels[0])
 
 
+def _merge_global_loads(rows, splits):
+    """The global loads in the sm90 PTX of the merge kernel at (rows, splits), DV 512, bf16 partials (in a
+    worker process), and its UNROLL."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    from b12x_inductor.kernels.triton import _compile_only, decode
+
+    _, meta = decode.merge_launch(rows, 16, 512, splits)
+    tune = {k: meta.pop(k) for k in ("num_warps", "num_stages")}
+    kernel = _compile_only.compile_kernel(
+        decode.merge_kernel, (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16, torch.float32, 0),
+        meta, tune, 90)
+    return kernel.asm["ptx"].count("ld.global"), meta["UNROLL"]
+
+
+def test_merge_issues_many_splits_loads_together():
+    """The merge's loop over the splits is unrolled in Triton, so UNROLL splits' LSE and partial loads are in
+    the PTX ahead of ptxas: at 128 splits ptxas left the plain loop rolled (4 loads in its SASS: each split
+    waited out its own, MLA H16 1x32768 doubled, h200.md "Session 53"), at 64 it unrolled it fully."""
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        for rows, splits in ((16, 128), (4, 100), (512, 8)):
+            loads, unroll = pool.submit(_merge_global_loads, rows, splits).result()
+            assert unroll == min(splits, 32) and loads >= 2 * unroll, (rows, splits, loads, unroll)
+
+
 def test_compile_only_specializes_as_the_jit_does():
     """The compile-only path specializes pointers as 16-byte aligned and ints by divisibility, as the JIT does on
     the GPU: the bf16 decode plan's gathered loads then vectorize (cp.async stages in shared memory) and it

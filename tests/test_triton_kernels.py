@@ -279,10 +279,11 @@ def test_gpu_merge_in_column_blocks(name):
 
 def test_merge_launch_and_partials_layout():
     """merge_launch: a program takes a whole row where the rows give MERGE_MIN_PROGRAMS programs, else narrower
-    column blocks down to MERGE_MIN_BLOCK, a warp per 128 columns. split_partials: the partials in out's dtype
+    column blocks down to MERGE_MIN_BLOCK, a warp per 128 columns, the splits' loop unrolled min(splits,
+    MERGE_UNROLL) times (that it is: tests/test_triton_compile_targets.py). split_partials: the partials in out's dtype
     first, then the fp32 LSEs, exactly filling the bytes split_scratch_bytes gives."""
     from b12x_inductor.kernels.triton import split_partials
-    from b12x_inductor.kernels.triton.decode import MERGE_MIN_BLOCK, MERGE_MIN_PROGRAMS, merge_launch
+    from b12x_inductor.kernels.triton.decode import MERGE_MIN_BLOCK, MERGE_MIN_PROGRAMS, MERGE_UNROLL, merge_launch
     from b12x_inductor.plan import Problem, split_scratch_bytes
 
     # (rows, Dv, splits): (grid, BLOCK_DV, warps)
@@ -292,6 +293,7 @@ def test_merge_launch_and_partials_layout():
     for (rows, dv, splits), want in cases.items():
         grid, meta = merge_launch(rows, 16, dv, splits)
         assert (grid, meta["BLOCK_DV"], meta["num_warps"], meta["NUM_SPLITS"]) == (*want, splits)
+        assert meta["UNROLL"] == min(splits, MERGE_UNROLL)
         assert grid[0] * grid[1] >= MERGE_MIN_PROGRAMS or meta["BLOCK_DV"] == MERGE_MIN_BLOCK
     for dtype, itemsize in ((torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 4)):
         p = Problem(batch=3, q_len=2, packed=False, num_q_heads=16, num_kv_heads=1, head_dim=576, v_head_dim=512,

@@ -143,6 +143,10 @@ def split_kernel(
 
 MERGE_MIN_PROGRAMS = 1024  # about 8 merge programs an SM: fewer rows take their columns in narrower blocks
 MERGE_MIN_BLOCK = 64
+# splits whose loads a merge program issues before it adds any of them: the loop over the splits is unrolled by
+# min(splits, MERGE_UNROLL) in Triton (tl.range's loop_unroll_factor), not left to ptxas, which unrolled it fully
+# at 64 splits but not at 128, where each split then waited out its own loads (h200.md, "Session 53")
+MERGE_UNROLL = 32
 
 
 def merge_launch(rows: int, hq: int, dv: int, splits: int) -> tuple[tuple[int, int], dict]:
@@ -153,19 +157,21 @@ def merge_launch(rows: int, hq: int, dv: int, splits: int) -> tuple[tuple[int, i
     A program merges one row's splits over BLOCK_DV of its DV columns, one split at a time (a BLOCK_DV vector
     of partials in registers, whatever the split count). BLOCK_DV is the whole row where there are rows enough
     for MERGE_MIN_PROGRAMS programs, else it halves until there are (down to MERGE_MIN_BLOCK columns), so one
-    long request's few rows still spread over many SMs; a warp takes 128 columns (4 a thread)."""
+    long request's few rows still spread over many SMs; a warp takes 128 columns (4 a thread). The loop over
+    the splits is unrolled UNROLL = min(splits, MERGE_UNROLL) times, so that many splits' loads are in flight."""
     block_dv = next_pow2(dv)
     while block_dv > MERGE_MIN_BLOCK and rows * -(-dv // block_dv) < MERGE_MIN_PROGRAMS:
         block_dv //= 2
     grid = (rows, -(-dv // block_dv))
     return grid, dict(HQ=hq, DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits),
-                      num_warps=max(1, min(4, block_dv // 128)), num_stages=2)
+                      UNROLL=min(splits, MERGE_UNROLL), num_warps=max(1, min(4, block_dv // 128)), num_stages=2)
 
 
 @triton.jit(do_not_specialize=["SINKS", "has_sinks"])
 def merge_kernel(
     PART_O, PART_L, SINKS, OUT, LSE, has_sinks,
     HQ: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """out[row] = the splits' partials weighted by exp2(lse_s - m) over their sum plus the sink's exp2(sink - m)
     (m: the largest of the LSEs and the sink), lse[row] its log (natural). A row no split saw (every LSE -inf):
@@ -181,7 +187,7 @@ def merge_kernel(
     m = tl.maximum(tl.where(seen, m, 0.0), sink)
     acc = tl.zeros([BLOCK_DV], tl.float32)
     denom = tl.exp2(sink - m)
-    for s in tl.range(0, NUM_SPLITS):
+    for s in tl.range(0, NUM_SPLITS, loop_unroll_factor=UNROLL):
         w = tl.exp2(tl.load(lse_row + s) - m)  # 0 for a split that saw no key (its partial is zeros)
         denom += w
         acc += w * tl.load(PART_O + (row * NUM_SPLITS + s) * DV + offs_d, mask=d_ok, other=0.0).to(tl.float32)
