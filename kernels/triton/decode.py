@@ -145,8 +145,9 @@ MERGE_MIN_PROGRAMS = 1024  # about 8 merge programs an SM: fewer rows take their
 MERGE_MIN_BLOCK = 64
 # splits whose loads a merge program issues before it adds any of them: the loop over the splits is unrolled by
 # min(splits, MERGE_UNROLL) in Triton (tl.range's loop_unroll_factor), not left to ptxas, which unrolled it fully
-# at 64 splits but not at 128, where each split then waited out its own loads (h200.md, "Session 53")
-MERGE_UNROLL = 32
+# at 64 splits of 64 columns but not at 128 splits, nor at 64 of 128 columns, where each split then waited out
+# its own loads (h200.md, "Session 53"); 64 splits' loads fit in 64 registers
+MERGE_UNROLL = 64
 
 
 def merge_launch(rows: int, hq: int, dv: int, splits: int) -> tuple[tuple[int, int], dict]:
