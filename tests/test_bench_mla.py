@@ -40,6 +40,7 @@ def test_dry_run_every_row(tmp_path, capsys):
     for r in doc["rows"]:
         ours = r["impls"]["b12x"]
         assert ours["us"] > 0 and ours["max_err"] < 0.05 and ours["tflops"] > 0 and ours["tbps"] > 0, r
+        assert ours["plan"] == "torch 1:0:0 w0 m0", r  # the CPU family's plan (select_plan, as on the GPU)
         assert r["page_size"] == 16 and r["sets"] == 2
     assert doc["rows"][1]["q_len"] == 4 and doc["rows"][2]["kv_dtype"] == "float8_e4m3fn"
     assert doc["argv"][:2] == ["--sizes", "2x128"] and doc["shape"]["scale"] == 192**-0.5
@@ -47,7 +48,7 @@ def test_dry_run_every_row(tmp_path, capsys):
     assert lines[0] == "| row | b12x us | TFLOP/s | TB/s | fa2 us | fa3 us | b12x vs best |"
     assert lines[2].startswith("| decode H4 2x128 | ") and lines[2].endswith(" | n/a | n/a | – |")
     out = capsys.readouterr().out
-    assert "[decode-fp8 H4 2x128] b12x " in out and lines[0] in out
+    assert "[decode-fp8 H4 2x128] b12x " in out and lines[0] in out and "% (torch 1:0:0 w0 m0)" in out
 
 
 def test_rows_and_metrics():

@@ -22,8 +22,9 @@ call over rotating input sets that together exceed twice the L2, CUDA events, th
 the device copy bandwidth is measured in the same run. Metrics: FLOPs 2 x H x S x L x (576 + 512) a request
 (q.k over 576 columns, p.v over 512; verify counts all S x L pairs), bytes the latent cache read (B x L x
 576 x itemsize) plus q (576 a head and token, bf16) read and out (512) written; TFLOP/s, TB/s and the
-percentage of the copy bandwidth. Prints a progress line per row, then a markdown table, and writes JSON
-(versions, copy bandwidth, argv, rows) to DIR/mla_<tag>.json.
+percentage of the copy bandwidth. The b12x cell also names its plan ("family splits:block_n:stages w<warps>
+m<block_m>", `plan_label`). Prints a progress line per row, then a markdown table, and writes JSON (versions,
+copy bandwidth, argv, rows) to DIR/mla_<tag>.json.
 
 Options: --heads (comma list, default 128,16), --rows decode,verify,fp8 (default all), --page-size (keys per
 page, default 64; L must be a multiple), --peers flashinfer (default; '' for b12x alone), --out DIR (default
@@ -160,13 +161,10 @@ def b12x_call(s):
     return call, out
 
 
-def b12x_variant_call(s, family, variant):
-    """One family's plan (plan.family_plan) with (num_splits, block_n, num_stages, num_warps, block_m)
-    replaced where the variant gives a nonzero value, and a last field "vk" for v_from_k (V's tile taken from
-    K's), as kernels.b12x_call runs its variants, on the views mla_attention builds (q_nope and q_pe apart, the
-    one-head cache views: the timed call is the kernels alone, without mla_attention's checks)."""
-    from b12x_inductor import kernels as kfam, validate
-    from b12x_inductor.plan import family_plan
+def _problem(s):
+    """(q_nope, q_pe, the cache as one K head [pages, PAGE, 1, 576], V its first 512 columns, the Problem) of
+    an input set, the views mla_attention builds."""
+    from b12x_inductor import validate
 
     q, q_pe = s["q_nope"], s["q_pe"]
     k_cache = s["kv_cache"].unsqueeze(2)
@@ -175,6 +173,28 @@ def b12x_variant_call(s, family, variant):
         q, k_cache, v_cache, s["page_table"], s["cache_seqlens"], None, kv_layout="NHD", causal=True,
         scale=SCALE, window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=s["k_descale"],
         v_descale=s["k_descale"], q_pe=q_pe, out=None)
+    return q, q_pe, k_cache, v_cache, problem
+
+
+def plan_label(s) -> str:
+    """The plan select_plan gives the set's problem, as "family splits:block_n:stages w<warps> m<block_m>"
+    (" vk": V's tile taken from K's)."""
+    from b12x_inductor.plan import select_plan
+
+    p = select_plan(_problem(s)[-1])
+    return (f"{p.family} {p.num_splits}:{p.block_n}:{p.num_stages} w{p.num_warps} m{p.block_m}"
+            + (" vk" if p.v_from_k else ""))
+
+
+def b12x_variant_call(s, family, variant):
+    """One family's plan (plan.family_plan) with (num_splits, block_n, num_stages, num_warps, block_m)
+    replaced where the variant gives a nonzero value, and a last field "vk" for v_from_k (V's tile taken from
+    K's), as kernels.b12x_call runs its variants, on the views mla_attention builds (q_nope and q_pe apart, the
+    one-head cache views: the timed call is the kernels alone, without mla_attention's checks)."""
+    from b12x_inductor import kernels as kfam
+    from b12x_inductor.plan import family_plan
+
+    q, q_pe, k_cache, v_cache, problem = _problem(s)
     v_from_k = bool(variant) and variant[-1] == "vk"
     fields = dict(zip(("num_splits", "block_n", "num_stages", "num_warps", "block_m"),
                       variant[:-1] if v_from_k else variant))
@@ -346,13 +366,15 @@ def run_row(mode, batch, length, q_len, heads, kv_dtype, peers, variants, bw):
             entry["unsupported"] = str(e)
         except Exception as e:
             entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if name == "b12x":
+            entry["plan"] = plan_label(sets[0])
         result["impls"][name] = entry
     ratio = kernels.versus_best_peer(result)
     parts = []
     for n, e in result["impls"].items():
         if "us" in e:
             parts.append(f"{n} {e['us']:.1f}us {e['tflops']:.1f} TFLOP/s {e['tbps']:.2f} TB/s "
-                         f"{e['pct_copy_bw']:.0f}%")
+                         f"{e['pct_copy_bw']:.0f}%" + (f" ({e['plan']})" if "plan" in e else ""))
         elif "unsupported" in e:
             parts.append(f"{n} n/a ({e['unsupported'][:120]})")
         else:
