@@ -361,13 +361,13 @@ def run_row(mode, batch, length, q_len, heads, kv_dtype, peers, variants, bw):
             del outs
             us, method = time_graph(calls)
             entry.update(us=us, method=method, **row_metrics(batch, length, q_len, heads, kv_dtype, us))
+            if name == "b12x":
+                entry["plan"] = plan_label(sets[0])
             entry["pct_copy_bw"] = 100 * entry["tbps"] / bw
         except Unsupported as e:
             entry["unsupported"] = str(e)
         except Exception as e:
             entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        if name == "b12x":
-            entry["plan"] = plan_label(sets[0])
         result["impls"][name] = entry
     ratio = kernels.versus_best_peer(result)
     parts = []
