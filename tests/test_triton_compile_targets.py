@@ -183,7 +183,7 @@ def _decode_usage(kv_dtype):
 
 def _merge_global_loads(rows, splits):
     """The global loads in the sm90 PTX of the merge kernel at (rows, splits), DV 512, bf16 partials (in a
-    worker process), and its UNROLL."""
+    worker process), its UNROLL and TILE, and its stack bytes a thread (spills)."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     from b12x_inductor.kernels.triton import _compile_only, decode
 
@@ -192,19 +192,25 @@ def _merge_global_loads(rows, splits):
     kernel = _compile_only.compile_kernel(
         decode.merge_kernel, (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16, torch.float32, 0),
         meta, tune, 90)
-    return kernel.asm["ptx"].count("ld.global"), meta["UNROLL"]
+    stack = _compile_only.resource_usage(kernel)["stack"]
+    return kernel.asm["ptx"].count("ld.global"), meta["UNROLL"], meta["TILE"], stack
 
 
 def test_merge_issues_many_splits_loads_together():
-    """The merge's loop over the splits is unrolled in Triton, so UNROLL splits' LSE and partial loads are in
-    the PTX ahead of ptxas: ptxas left the plain loop rolled at 128 splits and at 64 splits of 128 columns (4
-    loads in its SASS: each split waited out its own; MLA H16 1x32768 doubled, h200.md "Session 53"), and
-    unrolled it fully at 64 splits of 64 columns."""
+    """Below 128 splits the merge's loop over the splits is unrolled in Triton, so UNROLL splits' LSE and partial
+    loads are in the PTX ahead of ptxas: ptxas left the plain loop rolled at 128 splits and at 64 splits of 128
+    columns (4 loads in its SASS: each split waited out its own; MLA H16 1x32768 doubled, h200.md "Session
+    53"), and unrolled it fully at 64 splits of 64 columns. From 128 splits on, the TILE form loads all splits'
+    columns as one tile (no loop); neither form spills."""
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-        for rows, splits in ((16, 128), (256, 64), (4, 100), (512, 8)):
-            loads, unroll = pool.submit(_merge_global_loads, rows, splits).result()
-            assert unroll == min(splits, 64) and loads >= 2 * unroll, (rows, splits, loads, unroll)
+        for rows, splits in ((256, 64), (4, 100), (512, 8), (16, 128)):
+            loads, unroll, tile, stack = pool.submit(_merge_global_loads, rows, splits).result()
+            assert stack == 0, (rows, splits, stack)
+            if splits >= 128:
+                assert tile and unroll == 1 and loads >= 2, (rows, splits, loads)
+            else:
+                assert not tile and unroll == min(splits, 64) and loads >= 2 * unroll, (rows, splits, loads, unroll)
 
 
 def test_compile_only_specializes_as_the_jit_does():

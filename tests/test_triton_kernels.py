@@ -199,9 +199,12 @@ INTERPRETER_CASES = [
     ("verify_mla576_v_from_k_fp8", "verify", (2, 16, 16, True),
      dict(q_len=3, d=576, dv=512, hq=4, hkv=1, v_view=True, kv_dtype=F8, descale="b", nan_unused=True), dict()),
     # many splits: the merge takes a row's columns in blocks (kernels/triton/decode.py, merge_launch), and most
-    # splits of these short requests see no key (-inf partials); DV 512 in 8 blocks of 64, DV 128 in 2 of 64
+    # splits of these short requests see no key (-inf partials); 128 splits: the TILE form, DV 512 in 16 blocks
+    # of 32 and DV 128 in 4; 64 splits: the loop, DV 128 in 2 blocks of 64
     ("decode_mla576_splits128_merge_blocks", "decode", (128, 16, 16, True),
      dict(d=576, dv=512, hq=4, hkv=1, v_view=True, lens=[0, 150], page_size=16, nan_unused=True, sinks=True), dict()),
+    ("decode_splits128_merge_blocks", "decode", (128, 16, 16), dict(d=128, batch=3, lens=[301, 0, 45], sinks=True,
+                                                                     nan_unused=True), dict()),
     ("decode_splits64_merge_blocks", "decode", (64, 16, 16), dict(d=128, lens=[37, 201], sinks=True, nan_unused=True,
                                                                    kv_start=True), dict()),
     ("extend_mla576_v_from_k_window", "extend", (1, 32, 16, True),
@@ -272,29 +275,38 @@ def test_interpreter_matches_reference(interpreter_results, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [c[0] for c in INTERPRETER_CASES if "merge_blocks" in c[0]])
 def test_gpu_merge_in_column_blocks(name):
-    """The many-split interpreter cases compiled and run on the GPU: 128 splits of MLA's 512 columns (8 column
-    blocks a row) and 64 of 128 columns (2 blocks), most splits seeing no key, an empty request, sinks."""
+    """The many-split interpreter cases compiled and run on the GPU: 128 splits (the merge's TILE form) of MLA's
+    512 columns and of 128 columns, and 64 of 128 columns (the loop, 2 blocks), most splits seeing no key, an
+    empty request, sinks."""
     _run_case(next(c for c in INTERPRETER_CASES if c[0] == name), device="cuda")
 
 
 def test_merge_launch_and_partials_layout():
-    """merge_launch: a program takes a whole row where the rows give MERGE_MIN_PROGRAMS programs, else narrower
-    column blocks down to MERGE_MIN_BLOCK, a warp per 128 columns, the splits' loop unrolled min(splits,
-    MERGE_UNROLL) times (that it is: tests/test_triton_compile_targets.py). split_partials: the partials in out's dtype
-    first, then the fp32 LSEs, exactly filling the bytes split_scratch_bytes gives."""
+    """merge_launch: below MERGE_TILE_SPLITS splits a program takes a whole row where the rows give
+    MERGE_MIN_PROGRAMS programs, else narrower column blocks down to MERGE_MIN_BLOCK, a warp per 128 columns, the
+    splits' loop unrolled min(splits, MERGE_UNROLL) times (that it is: tests/test_triton_compile_targets.py);
+    from MERGE_TILE_SPLITS on, all splits of MERGE_TILE_ELEMS // splits columns at once (TILE) in
+    MERGE_TILE_WARPS warps. split_partials: the partials in out's dtype first, then the fp32 LSEs, exactly
+    filling the bytes split_scratch_bytes gives."""
     from b12x_inductor.kernels.triton import split_partials
-    from b12x_inductor.kernels.triton.decode import MERGE_MIN_BLOCK, MERGE_MIN_PROGRAMS, MERGE_UNROLL, merge_launch
+    from b12x_inductor.kernels.triton.decode import (MERGE_MIN_BLOCK, MERGE_MIN_PROGRAMS, MERGE_TILE_ELEMS,
+                                                     MERGE_TILE_SPLITS, MERGE_TILE_WARPS, MERGE_UNROLL, merge_launch)
     from b12x_inductor.plan import Problem, split_scratch_bytes
 
     # (rows, Dv, splits): (grid, BLOCK_DV, warps)
     cases = {(4096, 512, 2): ((4096, 1), 512, 4), (512, 512, 8): ((512, 2), 256, 2),
-             (128, 512, 64): ((128, 8), 64, 1), (4, 512, 128): ((4, 8), 64, 1), (32, 128, 64): ((32, 2), 64, 1),
-             (8192, 128, 4): ((8192, 1), 128, 1)}
+             (128, 512, 64): ((128, 8), 64, 1), (4, 512, 100): ((4, 8), 64, 1), (32, 128, 64): ((32, 2), 64, 1),
+             (8192, 128, 4): ((8192, 1), 128, 1),
+             (4, 512, 128): ((4, 16), 32, 2), (28, 128, 128): ((28, 4), 32, 2)}  # TILE
+    assert (MERGE_TILE_SPLITS, MERGE_TILE_ELEMS, MERGE_TILE_WARPS) == (128, 4096, 2)  # the table above
     for (rows, dv, splits), want in cases.items():
         grid, meta = merge_launch(rows, 16, dv, splits)
         assert (grid, meta["BLOCK_DV"], meta["num_warps"], meta["NUM_SPLITS"]) == (*want, splits)
-        assert meta["UNROLL"] == min(splits, MERGE_UNROLL)
-        assert grid[0] * grid[1] >= MERGE_MIN_PROGRAMS or meta["BLOCK_DV"] == MERGE_MIN_BLOCK
+        if splits >= MERGE_TILE_SPLITS:
+            assert meta["TILE"] and meta["UNROLL"] == 1 and meta["BLOCK_DV"] * meta["SPLITS_P2"] == MERGE_TILE_ELEMS
+        else:
+            assert not meta["TILE"] and meta["UNROLL"] == min(splits, MERGE_UNROLL)
+            assert grid[0] * grid[1] >= MERGE_MIN_PROGRAMS or meta["BLOCK_DV"] == MERGE_MIN_BLOCK
     for dtype, itemsize in ((torch.bfloat16, 2), (torch.float16, 2), (torch.float32, 4)):
         p = Problem(batch=3, q_len=2, packed=False, num_q_heads=16, num_kv_heads=1, head_dim=576, v_head_dim=512,
                     page_size=64, max_pages=8, q_dtype=dtype, kv_dtype=dtype, kv_layout="NHD", device_type="cuda",

@@ -148,6 +148,12 @@ MERGE_MIN_BLOCK = 64
 # at 64 splits of 64 columns but not at 128 splits, nor at 64 of 128 columns, where each split then waited out
 # its own loads (h200.md, "Session 53"); 64 splits' loads fit in 64 registers
 MERGE_UNROLL = 64
+# From MERGE_TILE_SPLITS splits on (the plans' 128: few rows, one long request), a program loads all splits of
+# MERGE_TILE_ELEMS // splits columns at once (TILE) in MERGE_TILE_WARPS warps: 2.3-2.5 us against the loop's
+# 4.0-4.2 at 8-64 rows; at 64 splits the loop is ahead (h200.md, "Session 54")
+MERGE_TILE_SPLITS = 128
+MERGE_TILE_ELEMS = 4096
+MERGE_TILE_WARPS = 2
 
 
 def merge_launch(rows: int, hq: int, dv: int, splits: int) -> tuple[tuple[int, int], dict]:
@@ -155,43 +161,62 @@ def merge_launch(rows: int, hq: int, dv: int, splits: int) -> tuple[tuple[int, i
     launches. `rows` is B * S * Hq; the splits' partials are [row, split, DV] in out's dtype and LSEs [row, split]
     fp32 (split_partials); the merge adds them in fp32.
 
-    A program merges one row's splits over BLOCK_DV of its DV columns, one split at a time (a BLOCK_DV vector
-    of partials in registers, whatever the split count). BLOCK_DV is the whole row where there are rows enough
-    for MERGE_MIN_PROGRAMS programs, else it halves until there are (down to MERGE_MIN_BLOCK columns), so one
-    long request's few rows still spread over many SMs; a warp takes 128 columns (4 a thread). The loop over
-    the splits is unrolled UNROLL = min(splits, MERGE_UNROLL) times, so that many splits' loads are in flight."""
+    Below MERGE_TILE_SPLITS splits, a program merges one row's splits over BLOCK_DV of its DV columns, one split
+    at a time (a BLOCK_DV vector of partials in registers, whatever the split count). BLOCK_DV is the whole row
+    where there are rows enough for MERGE_MIN_PROGRAMS programs, else it halves until there are (down to
+    MERGE_MIN_BLOCK columns), so one long request's few rows still spread over many SMs; a warp takes 128
+    columns (4 a thread). The loop over the splits is unrolled UNROLL = min(splits, MERGE_UNROLL) times, so that
+    many splits' loads are in flight. From MERGE_TILE_SPLITS on (TILE), a program loads the [splits, BLOCK_DV]
+    tile of all splits at once, BLOCK_DV = MERGE_TILE_ELEMS // splits (at least 16) columns."""
+    splits_p2 = next_pow2(splits)
+    if splits >= MERGE_TILE_SPLITS:
+        block_dv = min(next_pow2(dv), max(16, MERGE_TILE_ELEMS // splits_p2))
+        return (rows, -(-dv // block_dv)), dict(HQ=hq, DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=splits,
+                                                SPLITS_P2=splits_p2, UNROLL=1, TILE=True,
+                                                num_warps=MERGE_TILE_WARPS, num_stages=1)
     block_dv = next_pow2(dv)
     while block_dv > MERGE_MIN_BLOCK and rows * -(-dv // block_dv) < MERGE_MIN_PROGRAMS:
         block_dv //= 2
     grid = (rows, -(-dv // block_dv))
-    return grid, dict(HQ=hq, DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=splits, SPLITS_P2=next_pow2(splits),
-                      UNROLL=min(splits, MERGE_UNROLL), num_warps=max(1, min(4, block_dv // 128)), num_stages=2)
+    return grid, dict(HQ=hq, DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=splits, SPLITS_P2=splits_p2,
+                      UNROLL=min(splits, MERGE_UNROLL), TILE=False, num_warps=max(1, min(4, block_dv // 128)),
+                      num_stages=2)
 
 
 @triton.jit(do_not_specialize=["SINKS", "has_sinks"])
 def merge_kernel(
     PART_O, PART_L, SINKS, OUT, LSE, has_sinks,
     HQ: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-    UNROLL: tl.constexpr,
+    UNROLL: tl.constexpr, TILE: tl.constexpr,
 ):
     """out[row] = the splits' partials weighted by exp2(lse_s - m) over their sum plus the sink's exp2(sink - m)
     (m: the largest of the LSEs and the sink), lse[row] its log (natural). A row no split saw (every LSE -inf):
-    zeros and -inf. The partials are added one split at a time, so no reduction crosses threads."""
+    zeros and -inf. Without TILE the partials are added one split at a time (no reduction crosses threads); with
+    TILE the program loads all splits' BLOCK_DV columns as one [SPLITS_P2, BLOCK_DV] tile and sums it."""
     row = tl.program_id(0).to(tl.int64)  # (b * S + token) * Hq + head
     offs_s = tl.arange(0, SPLITS_P2)
+    s_ok = offs_s < NUM_SPLITS
     offs_d = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     d_ok = offs_d < DV
     lse_row = PART_L + row * NUM_SPLITS
-    m = tl.max(tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf")), 0)
+    lse_s = tl.load(lse_row + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
     seen = m > float("-inf")
     sink = sink_logit(SINKS, row % HQ, has_sinks)
     m = tl.maximum(tl.where(seen, m, 0.0), sink)
-    acc = tl.zeros([BLOCK_DV], tl.float32)
     denom = tl.exp2(sink - m)
-    for s in tl.range(0, NUM_SPLITS, loop_unroll_factor=UNROLL):
-        w = tl.exp2(tl.load(lse_row + s) - m)  # 0 for a split that saw no key (its partial is zeros)
-        denom += w
-        acc += w * tl.load(PART_O + (row * NUM_SPLITS + s) * DV + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    if TILE:
+        w = tl.exp2(lse_s - m)  # 0 for a split that saw no key (its partial is zeros) and past NUM_SPLITS
+        denom += tl.sum(w, 0)
+        part = tl.load(PART_O + (row * NUM_SPLITS + offs_s)[:, None] * DV + offs_d[None, :],
+                       mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        acc = tl.sum(part * w[:, None], 0)
+    else:
+        acc = tl.zeros([BLOCK_DV], tl.float32)
+        for s in tl.range(0, NUM_SPLITS, loop_unroll_factor=UNROLL):
+            w = tl.exp2(tl.load(lse_row + s) - m)
+            denom += w
+            acc += w * tl.load(PART_O + (row * NUM_SPLITS + s) * DV + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     denom = tl.where(seen, denom, 1.0)
     tl.store(OUT + row * DV + offs_d, tl.where(seen, acc / denom, 0.0).to(OUT.dtype.element_ty), mask=d_ok)
     if tl.program_id(1) == 0:
