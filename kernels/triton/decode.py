@@ -149,8 +149,8 @@ MERGE_MIN_BLOCK = 64
 # its own loads (h200.md, "Session 53"); 64 splits' loads fit in 64 registers
 MERGE_UNROLL = 64
 # From MERGE_TILE_SPLITS splits on (the plans' 128: few rows, one long request), a program loads all splits of
-# MERGE_TILE_ELEMS // splits columns at once (TILE) in MERGE_TILE_WARPS warps: 2.3-2.5 us against the loop's
-# 4.0-4.2 at 8-64 rows; at 64 splits the loop is ahead (h200.md, "Session 54")
+# MERGE_TILE_ELEMS // splits columns at once (TILE) in MERGE_TILE_WARPS warps: faster than the loop there at
+# every row count measured, slower at 64 splits and fewer (h200.md, "Session 54")
 MERGE_TILE_SPLITS = 128
 MERGE_TILE_ELEMS = 4096
 MERGE_TILE_WARPS = 2
@@ -214,7 +214,7 @@ def merge_kernel(
     else:
         acc = tl.zeros([BLOCK_DV], tl.float32)
         for s in tl.range(0, NUM_SPLITS, loop_unroll_factor=UNROLL):
-            w = tl.exp2(tl.load(lse_row + s) - m)
+            w = tl.exp2(tl.load(lse_row + s) - m)  # 0 for a split that saw no key (its partial is zeros)
             denom += w
             acc += w * tl.load(PART_O + (row * NUM_SPLITS + s) * DV + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     denom = tl.where(seen, denom, 1.0)
