@@ -47,9 +47,16 @@ def make_problem(*, batch=3, q_len=1, hq=8, hkv=2, d=64, page_size=4, max_pages=
     )
 
 
+def poisoned_scratch(nbytes: int, device) -> torch.Tensor:
+    """A split-KV scratch with every byte 0xFF: NaN as bf16, fp16 and fp32, so a partial output or LSE that a split
+    kernel leaves unwritten reaches out as NaN (the scratch the ops allocate holds whatever its memory held)."""
+    return torch.full((nbytes,), 0xFF, dtype=torch.uint8, device=device)
+
+
 def run_family(t, options, family, out=None, overrides=None):
     """Runs one family's plan (with `overrides` of its tile fields) for the inputs through kernels.run (the
-    entry ops' path). Returns out, lse, the plan and a zero-argument call that runs it again."""
+    entry ops' path), the scratch poisoned (poisoned_scratch). Returns out, lse, the plan and a zero-argument
+    call that runs it again; call.scratch is its scratch (replay_with_new_lengths poisons it again)."""
     from b12x_inductor import kernels, validate
     from b12x_inductor.plan import family_plan
 
@@ -64,7 +71,7 @@ def run_family(t, options, family, out=None, overrides=None):
     out = torch.full(q.shape[:-1] + t["v_cache"].shape[-1:], float("nan"), dtype=q.dtype, device=q.device) \
         if out is None else out
     lse = torch.full(q.shape[:-1], float("nan"), device=q.device)
-    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=q.device)
+    scratch = poisoned_scratch(plan.scratch_bytes, q.device)
     opts = kernels.Options.of(problem.head_dim, kv_layout=options.get("kv_layout", "NHD"),
                               causal=options.get("causal", True), scale=options.get("scale"),
                               window_left=options.get("window_left", -1), softcap=options.get("softcap", 0.0))
@@ -73,14 +80,15 @@ def run_family(t, options, family, out=None, overrides=None):
 
     def call():
         kernels.run(the_call)
+    call.scratch = scratch
     call()
     return out, lse, plan, call
 
 
 def direct_call(t: dict, mode: str, options: dict, tiles: dict):
     """A kernels.Call of the inputs `t` (make_inputs' dict) for the plan of `mode` with the given tile fields
-    (Triton family), out and lse poisoned with NaN, on q's device: what the interpreter workers (and the GPU's
-    direct cases) run without a Problem."""
+    (Triton family), out, lse and the scratch poisoned with NaN, on q's device: what the interpreter workers (and
+    the GPU's direct cases) run without a Problem."""
     from b12x_inductor import kernels
     from b12x_inductor.plan import Plan, partials_bytes
 
@@ -94,13 +102,14 @@ def direct_call(t: dict, mode: str, options: dict, tiles: dict):
         **{k: t.get(k) for k in kernels.Call.INPUTS},
         out=torch.full(q.shape[:-1] + (dv,), float("nan"), dtype=q.dtype, device=q.device),
         lse=torch.full(q.shape[:-1], float("nan"), device=q.device),
-        scratch=torch.empty(scratch_bytes, dtype=torch.uint8, device=q.device),
+        scratch=poisoned_scratch(scratch_bytes, q.device),
         options=kernels.Options(**options), plan=plan)
 
 
-def replay_with_new_lengths(graph, t, out, lse, check, *, page_size=16, steps=3, min_len=45):
-    """CUDA-graph replays with the outputs poisoned and the lengths and page tables changed in place before
-    each; check(step) compares out and lse with the reference after each replay."""
+def replay_with_new_lengths(graph, t, out, lse, check, *, page_size=16, steps=3, min_len=45, scratch=None):
+    """CUDA-graph replays with the outputs (and `scratch`, where given: the split-KV scratch the graph's call
+    uses) poisoned and the lengths and page tables changed in place before each; check(step) compares out and
+    lse with the reference after each replay."""
     gen = torch.Generator().manual_seed(3)
     cap = t["page_table"].shape[1] * page_size
     batch = t["page_table"].shape[0]
@@ -110,6 +119,8 @@ def replay_with_new_lengths(graph, t, out, lse, check, *, page_size=16, steps=3,
         t["page_table"].copy_(perm.reshape(t["page_table"].shape).int())
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
+        if scratch is not None:
+            scratch.fill_(0xFF)
         graph.replay()
         torch.cuda.synchronize()
         check(step)

@@ -246,7 +246,7 @@ def test_gpu_cute_cuda_graph_replay(q_len, kv_dtype, variant):
     with torch.cuda.graph(graph):
         call()
     replay_with_new_lengths(graph, t, out, lse, lambda step: check_close(
-        out, lse, *_reference(t, options), what=f"cute q_len {q_len} replay {step}"))
+        out, lse, *_reference(t, options), what=f"cute q_len {q_len} replay {step}"), scratch=call.scratch)
 
 
 @pytest.mark.gpu
@@ -441,7 +441,7 @@ def test_gpu_cute_extend_cuda_graph_replay(ctas, monkeypatch):
     with torch.cuda.graph(graph):
         call()
     replay_with_new_lengths(graph, t, out, lse, lambda step: check_close(
-        out, lse, *_reference(t, options), what=f"cute extend replay {step}"), min_len=150)
+        out, lse, *_reference(t, options), what=f"cute extend replay {step}"), min_len=150, scratch=call.scratch)
 
 
 @pytest.mark.gpu
@@ -686,4 +686,4 @@ def test_gpu_cute_mla_cuda_graph_replay(q_len, heads, split_q, fp8, variant):
         call()
     replay_with_new_lengths(graph, t, out, lse, lambda step: check_close(
         out, lse, *_reference(t, options), what=f"cute mla q_len {q_len} h{heads} {variant} replay {step}"),
-        page_size=64)
+        page_size=64, scratch=call.scratch)
