@@ -169,18 +169,17 @@ def merge_launch(rows: int, hq: int, dv: int, splits: int) -> tuple[tuple[int, i
     many splits' loads are in flight. From MERGE_TILE_SPLITS on (TILE), a program loads the [splits, BLOCK_DV]
     tile of all splits at once, BLOCK_DV = MERGE_TILE_ELEMS // splits (at least 16) columns."""
     splits_p2 = next_pow2(splits)
-    if splits >= MERGE_TILE_SPLITS:
+    tile = splits >= MERGE_TILE_SPLITS
+    if tile:
         block_dv = min(next_pow2(dv), max(16, MERGE_TILE_ELEMS // splits_p2))
-        return (rows, -(-dv // block_dv)), dict(HQ=hq, DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=splits,
-                                                SPLITS_P2=splits_p2, UNROLL=1, TILE=True,
-                                                num_warps=MERGE_TILE_WARPS, num_stages=1)
-    block_dv = next_pow2(dv)
-    while block_dv > MERGE_MIN_BLOCK and rows * -(-dv // block_dv) < MERGE_MIN_PROGRAMS:
-        block_dv //= 2
-    grid = (rows, -(-dv // block_dv))
-    return grid, dict(HQ=hq, DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=splits, SPLITS_P2=splits_p2,
-                      UNROLL=min(splits, MERGE_UNROLL), TILE=False, num_warps=max(1, min(4, block_dv // 128)),
-                      num_stages=2)
+        unroll, warps, stages = 1, MERGE_TILE_WARPS, 1
+    else:
+        block_dv = next_pow2(dv)
+        while block_dv > MERGE_MIN_BLOCK and rows * -(-dv // block_dv) < MERGE_MIN_PROGRAMS:
+            block_dv //= 2
+        unroll, warps, stages = min(splits, MERGE_UNROLL), max(1, min(4, block_dv // 128)), 2
+    return (rows, -(-dv // block_dv)), dict(HQ=hq, DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=splits, SPLITS_P2=splits_p2,
+                                            UNROLL=unroll, TILE=tile, num_warps=warps, num_stages=stages)
 
 
 @triton.jit(do_not_specialize=["SINKS", "has_sinks"])
