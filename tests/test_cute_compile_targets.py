@@ -47,6 +47,9 @@ def _cases():
     for d, page, packed in itertools.product((64, 128), (1, 16, 64), (False, True)):
         grid.append((dict(q_len=512 if packed else 300, packed=packed, head_dim=d, page_size=page), {}))
     grid.append((dict(q_len=300, head_dim=256, page_size=16), {}))  # extend at D 256: 64-key tiles, 2 stages
+    for page, packed in ((16, False), (1, True)):  # extend at D 64 in 192-row tiles (three consumer warpgroups)
+        grid.append((dict(q_len=512 if packed else 300, packed=packed, head_dim=64, page_size=page),
+                     dict(block_m=192, num_warps=16)))
     mla = dict(num_q_heads=128, num_kv_heads=1, head_dim=576, v_head_dim=512, v_in_k=True)
     seesaw = dict(block_n=64, num_stages=2, num_warps=8)  # mla_seesaw.py where the plan is mla.py
     for q_len, heads, page, tiles in ((1, 128, 64, {}), (1, 16, 1, {}), (4, 16, 16, seesaw),
@@ -76,7 +79,7 @@ CASES = _cases()
 
 def test_the_grid_reaches_every_kernel():
     modes = {(c[2].mode, c[2].block_m) for c in CASES}
-    assert {("decode", 1), ("decode", 16), ("verify", 1), ("extend", 128)} <= modes, modes
+    assert {("decode", 1), ("decode", 16), ("verify", 1), ("extend", 128), ("extend", 192)} <= modes, modes
     assert ("decode", 64) in modes and ("verify", 64) in modes  # mla.py, mla_seesaw.py
     assert {(c[2].block_m, c[2].num_warps) for c in CASES if c[2].v_from_k} == {(64, 8), (64, 12), (16, 12)}
     assert {c[1].page_size for c in CASES} == {1, 8, 16, 64, 128}  # cp.async only, TMA boxes of 8 to 64

@@ -78,6 +78,40 @@ def test_cute_extend_plans_fit_shared_memory():
     assert extend_geometry(d=256, tile_n=128, stages=2) is None
 
 
+def test_cute_extend_192_rows_at_d64_only():
+    """The 192-row extend tile (three consumer warpgroups, 16 warps) fits shared memory at D 64 with the plan's
+    key tiles; the plan refuses it above D 64 (its 160 registers a consumer thread) and with another warp count."""
+    from b12x_inductor.kernels.cute import extend_geometry
+    from b12x_inductor.plan import family_plan
+
+    wide = family_plan(_problem(q_len=300, head_dim=64), "cute", block_m=192, num_warps=16)
+    assert (wide.block_m, wide.num_warps) == (192, 16)
+    assert extend_geometry(d=64, tile_n=wide.block_n, stages=wide.num_stages, block_m=192) is not None
+    assert extend_geometry(d=128, tile_n=128, stages=2, block_m=192) is None
+    for d, tiles in ((128, dict(block_m=192, num_warps=16)), (64, dict(block_m=192)), (64, dict(num_warps=16)),
+                     (64, dict(block_m=256, num_warps=20))):
+        with pytest.raises(ValueError, match="extend kernel takes .block_m, num_warps. among"):
+            family_plan(_problem(q_len=300, head_dim=d), "cute", **tiles)
+
+
+def test_cute_extend_rows_rule(monkeypatch):
+    """extend_rows: 192 rows at D 64 for 4D q of 2048 new tokens a request or more without a window, 128 for
+    fewer, packed q, a window, D 128; the plan takes it only with EXTEND_WIDE_PLAN (off until the 192-row plan's
+    graph-replay and compile tests have run on a GPU)."""
+    from b12x_inductor.kernels.cute import plan as cute_plan
+    from b12x_inductor.plan import family_plan
+
+    wide = _problem(q_len=2048, head_dim=64)
+    assert cute_plan.extend_rows(wide) == 192
+    assert family_plan(wide, "cute").block_m == (192 if cute_plan.EXTEND_WIDE_PLAN else 128)
+    for kw in (dict(q_len=1024), dict(q_len=4096, packed=True), dict(q_len=4096, window_left=127),
+               dict(q_len=4096, head_dim=128)):
+        assert cute_plan.extend_rows(_problem(**dict(dict(head_dim=64), **kw))) == 128, kw
+    monkeypatch.setattr(cute_plan, "EXTEND_WIDE_PLAN", True)
+    plan = family_plan(wide, "cute")
+    assert (plan.block_m, plan.num_warps, plan.block_n, plan.num_stages) == (192, 16, 128, 4)
+
+
 def test_cute_tma_box_follows_the_page_geometry():
     from b12x_inductor.kernels.cute import tma_box
 
@@ -184,9 +218,15 @@ EXTEND_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CAS
     ("extend_packed_d256_features", dict(batch=2, hq=4, hkv=2, d=256, page_size=64, packed=True, lens=[700, 260],
                                          q_lens=[300, 200], kv_start=True, sinks=True, nan_unused=True),
      dict(window_left=150, softcap=30.0, scale=0.05)),
+    # D 64 (gpt-oss's) with every feature, G = 8, several row tiles of 128 or 192 and partial ones (pages of 16:
+    # 128-key tiles by TMA)
+    ("extend_packed_d64_g8_features", dict(batch=3, hq=16, hkv=2, d=64, page_size=16, packed=True,
+                                           lens=[900, 333, 640], q_lens=[500, 333, 1], kv_start=True, sinks=True,
+                                           nan_unused=True), dict(window_left=200, softcap=20.0)),
 ]
 EXTEND_VARIANTS = {"plan": {}, "stages2": dict(num_stages=2), "n64_stages4": dict(block_n=64, num_stages=4),
-                   "n48_stages3": dict(block_n=48, num_stages=3)}  # the last at D 256 only
+                   "n48_stages3": dict(block_n=48, num_stages=3),  # D 256 only
+                   "m192": dict(block_m=192, num_warps=16)}  # three consumer warpgroups: D 64 only
 
 
 def _skip_unfit_extend_variant(kw, variant):
@@ -197,10 +237,13 @@ def _skip_unfit_extend_variant(kw, variant):
 
     if variant == "n48_stages3" and kw["d"] != 256:
         pytest.skip("48-key tiles are D 256's")
+    if variant == "m192" and kw["d"] != 64:
+        pytest.skip("192-row tiles are D 64's")
     page = kw.get("page_size", inspect.signature(make_inputs).parameters["page_size"].default)
     block_n, stages = extend_tiles(kw["d"], page)
     tiles = EXTEND_VARIANTS[variant]
-    if extend_geometry(d=kw["d"], tile_n=tiles.get("block_n", block_n), stages=tiles.get("num_stages", stages)) is None:
+    if extend_geometry(d=kw["d"], tile_n=tiles.get("block_n", block_n), stages=tiles.get("num_stages", stages),
+                       block_m=tiles.get("block_m", 128)) is None:
         pytest.skip(f"{variant} does not fit shared memory at D {kw['d']}")
 
 
@@ -407,7 +450,7 @@ def _few_ctas(monkeypatch, ctas: int) -> None:
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("ctas", [1, 5])
-@pytest.mark.parametrize("variant", ["plan", "n64_stages4"])
+@pytest.mark.parametrize("variant", ["plan", "n64_stages4", "m192"])
 @pytest.mark.parametrize("name,kw,options", EXTEND_CASES, ids=[c[0] for c in EXTEND_CASES])
 def test_gpu_cute_extend_persistent_ctas_take_many_items(name, kw, options, variant, ctas, monkeypatch):
     """The persistent extend kernel with 1 and 5 CTAs: every CTA takes many (query head, row tile) items in
@@ -442,6 +485,75 @@ def test_gpu_cute_extend_cuda_graph_replay(ctas, monkeypatch):
         call()
     replay_with_new_lengths(graph, t, out, lse, lambda step: check_close(
         out, lse, *_reference(t, options), what=f"cute extend replay {step}"), min_len=150, scratch=call.scratch)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("ctas", [0, 3])
+def test_gpu_cute_extend_192_rows_cuda_graph_replay(ctas, monkeypatch):
+    """The 192-row tile (4D q, D 64, 2048 new tokens a request, sinks): capture once; poison the outputs, change
+    lengths and page tables in place, replay (with the GPU's CTAs, and with 3 that take many items each)."""
+    _few_ctas(monkeypatch, ctas)
+    kw = dict(batch=2, q_len=2048, hq=8, hkv=2, d=64, page_size=16, lens=[2048, 3000], sinks=True, spare_pages=4)
+    t = make_inputs(**kw, device="cuda", seed=9)
+    options = dict(kv_layout="NHD")
+    out, lse, plan, call = run_family(t, options, "cute", overrides=EXTEND_VARIANTS["m192"])  # compiles first
+    assert (plan.mode, plan.block_m, plan.num_warps) == ("extend", 192, 16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    replay_with_new_lengths(graph, t, out, lse, lambda step: check_close(
+        out, lse, *_reference(t, options), what=f"cute extend 192 rows replay {step}"), min_len=2048,
+        scratch=call.scratch)
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_gpu_cute_extend_192_rows_compile_reduce_overhead_no_skip_no_recompile(monkeypatch):
+    """With select_plan picking the CuTe family for extend: compiled 4D prefill at D 64 (the 192-row plan) over
+    changing lengths and page tables, no recompile, no cudagraph skip."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import b12x_inductor as b12x
+    from b12x_inductor import ops, validate
+    from b12x_inductor.kernels.cute import plan as cute_plan
+
+    monkeypatch.setattr(cute_plan, "measured_faster", lambda problem: True)
+    monkeypatch.setattr(cute_plan, "EXTEND_WIDE_PLAN", True)
+    ops.plan_for.cache_clear()
+    t = make_inputs(batch=2, q_len=2048, hq=8, hkv=2, d=64, page_size=16, lens=[2048, 2500], spare_pages=4,
+                    device="cuda", seed=13)
+
+    def step(q, k, v, pt, lens):
+        out, lse = b12x.paged_attention(q, k, v, pt, lens, return_lse=True)
+        return out * 2.0, lse
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        gen = torch.Generator().manual_seed(6)
+        cap = t["page_table"].shape[1] * 16
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for i in range(3):
+                t["cache_seqlens"].copy_(torch.randint(2048, cap + 1, (2,), generator=gen).int())
+                perm = torch.randperm(t["k_cache"].shape[0], generator=gen)[: t["page_table"].numel()]
+                t["page_table"].copy_(perm.reshape(t["page_table"].shape).int())
+                out, lse = compiled(t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"])
+                torch.cuda.synchronize()
+                ref_out, ref_lse = _reference(t, dict(kv_layout="NHD"))
+                check_close(out / 2.0, lse, ref_out, ref_lse, what=f"compiled 192-row extend step {i}")
+        assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+        problem = validate.check_paged_attention(
+            t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], None, kv_layout="NHD",
+            causal=True, scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=None,
+            v_descale=None, out=None)
+        assert ops.plan_for(problem).block_m == 192, ops.plan_for(problem)
+    finally:
+        ops.plan_for.cache_clear()
+        torch._dynamo.reset()
 
 
 @pytest.mark.gpu

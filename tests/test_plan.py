@@ -120,6 +120,8 @@ def table_cute() -> str:
         _row("bf16 extend 1x16384", batch=1, q_len=16384, max_pages=1024, **H200),
         _row("bf16 packed T=16384", batch=1, q_len=16384, packed=True, max_pages=1024, **H200),
         _row("bf16 extend D=64 8192:1024", batch=1, q_len=1024, max_pages=512, head_dim=64, **H200),
+        _row("bf16 extend D=64 4x4096", batch=4, q_len=4096, max_pages=256, head_dim=64, **H200),
+        _row("bf16 packed D=64 T=4096", batch=4, q_len=4096, packed=True, max_pages=256, head_dim=64, **H200),
         _row("bf16 extend D=256", batch=2, q_len=512, max_pages=64, head_dim=256, **H200),
         _row("bf16 extend D=256 page 64", batch=2, q_len=512, max_pages=16, head_dim=256, page_size=64, **H200),
         _row("fp8 extend 1x16384", batch=1, q_len=16384, max_pages=1024, kv_dtype=f8, **H200),
@@ -244,6 +246,8 @@ bf16 decode 32x4096          decode  triton splits=1   m=16  n=64  warps=4 stage
 bf16 extend 1x16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
 bf16 packed T=16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
 bf16 extend D=64 8192:1024   extend  cute   splits=1   m=128 n=128 warps=12 stages=4 scratch=0
+bf16 extend D=64 4x4096      extend  cute   splits=1   m=128 n=128 warps=12 stages=4 scratch=0
+bf16 packed D=64 T=4096      extend  cute   splits=1   m=128 n=128 warps=12 stages=4 scratch=0
 bf16 extend D=256            extend  cute   splits=1   m=128 n=48  warps=12 stages=3 scratch=0
 bf16 extend D=256 page 64    extend  cute   splits=1   m=128 n=32  warps=12 stages=4 scratch=0
 fp8 extend 1x16384           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0

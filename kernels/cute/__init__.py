@@ -141,18 +141,23 @@ def mma_geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, n
                 smem_bytes=smem_bytes)
 
 
-EXTEND_BLOCK_M = 128  # extend.py: query rows per CTA (two consumer warpgroups of 64)
+EXTEND_BLOCK_M = _plan.EXTEND_BLOCK_M  # extend.py: query rows per CTA (two consumer warpgroups of 64)
+EXTEND_ROWS = _plan.EXTEND_ROWS  # extend.py's rows per CTA -> num_warps; 192 rows at D <= EXTEND_WIDE_MAX_D only
+EXTEND_WIDE_MAX_D = _plan.EXTEND_WIDE_MAX_D
 
 
-def extend_geometry(*, d: int, tile_n: int, stages: int) -> dict | None:
+def extend_geometry(*, d: int, tile_n: int, stages: int, block_m: int = EXTEND_BLOCK_M) -> dict | None:
     """The extend kernel's shared memory (extend.py), or None where the configuration does not fit: a Q tile
-    of EXTEND_BLOCK_M x D and `stages` K and V tiles of tile_n x D, 16-bit, 1024-byte aligned for the 128-byte
-    swizzle, plus 3 x stages mbarriers (`storage`: storage.extend_storage; `smem_bytes` its size)."""
+    of block_m x D and `stages` K and V tiles of tile_n x D, 16-bit, 1024-byte aligned for the 128-byte
+    swizzle, plus 3 x stages mbarriers (`storage`: storage.extend_storage; `smem_bytes` its size). None too
+    for a row count that EXTEND_ROWS lacks, or 192 rows above D 64 (their registers)."""
     if d not in EXTEND_HEAD_DIMS or tile_n % 16 or not 16 <= tile_n <= 256 or stages < 2:
+        return None
+    if block_m not in EXTEND_ROWS or (block_m != EXTEND_BLOCK_M and d > EXTEND_WIDE_MAX_D):
         return None
     from .storage import extend_storage
 
-    storage = extend_storage(block_m=EXTEND_BLOCK_M, d=d, tile_n=tile_n, stages=stages)
+    storage = extend_storage(block_m=block_m, d=d, tile_n=tile_n, stages=stages)
     smem_bytes = storage.size_in_bytes()
     if smem_bytes > SMEM_LIMIT:
         return None
@@ -273,18 +278,18 @@ def _check_aligned(name: str, t: torch.Tensor, elems: int) -> None:
 @functools.cache
 def _compiled_extend(key):
     """The compiled extend kernel (extend.py) for one key (d, g, hq, batch, s, page, packed, block_n, stages,
-    q dtype, causal, use_window, use_softcap, sm_count: its persistent CTAs, one per SM)."""
+    q dtype, causal, use_window, use_softcap, sm_count: its persistent CTAs, one per SM; block_m)."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import make_ptr
 
     from .extend import ExtendKernel
 
-    d, g, hq, batch, s, page, packed, tile_n, stages, q_dtype, causal, use_window, use_softcap, sm_count = key
+    d, g, hq, batch, s, page, packed, tile_n, stages, q_dtype, causal, use_window, use_softcap, sm_count, block_m = key
     qt = _cutlass_dtype(q_dtype)
     kernel = ExtendKernel(d=d, g=g, hq=hq, batch=batch, s=s, page=page, packed=packed, tile_n=tile_n,
                           stages=stages, q_dtype=qt, causal=causal, use_window=use_window, use_softcap=use_softcap,
-                          sm_count=sm_count)
+                          sm_count=sm_count, block_m=block_m)
     gmem = cute.AddressSpace.gmem
 
     def ptr(dt, align=4):
@@ -349,7 +354,7 @@ def _extend_key(shapes, plan: dict, options: dict) -> tuple:
     return (shapes["d"], shapes["hq"] // shapes["hkv"], shapes["hq"], shapes["batch"], shapes["q_len"],
             shapes["page_size"], shapes["packed"], plan["block_n"], plan["num_stages"], shapes["q_dtype"],
             bool(options["causal"]), int(options["window_left"]) >= 0, float(options["softcap"]) > 0,
-            shapes["sm_count"])
+            shapes["sm_count"], plan["block_m"])
 
 
 def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:

@@ -1,17 +1,19 @@
 """Extend (prefill, chunked prefill) in CuTe DSL on Hopper: warp-specialized, with wgmma.
 
-A work item is BM = 128 consecutive new tokens of one request and one query head; items are ordered as the
-Triton extend kernel's grid (Hq, tiles) (same tile map, same three key ranges, same masks). The kernel is
-persistent: min(items, SMs) CTAs of three warpgroups (one CTA fits an SM), CTA c taking one item per round of
+A work item is BM consecutive new tokens of one request and one query head (the plan's block_m: 128, or 192 at
+D <= 64 as FlashAttention-3's tile there); items are ordered as the Triton extend kernel's grid (Hq, tiles) (same
+tile map, same three key ranges, same masks). The kernel is persistent: min(items, SMs) CTAs of a producer
+warpgroup and NC = BM / 64 consumer warpgroups (one CTA fits an SM), CTA c taking one item per round of
 CTAs items, in snake order (`_item`: round r's items run forward for even r and backward for odd r, so the CTA
 that takes a round's longest item takes the next round's shortest; a partial last round runs forward).
 The K/V ring, its barrier phases and the consumers' GEMM turns run on across a CTA's items, so the producer
 loads the next item's first tiles while the consumers finish the last one, and each consumer warpgroup
 issues its next Q rows as soon as its last S = Q K^T is done (before its last P V and its epilogue):
 
-- warpgroup 0, the producer (56 registers after setmaxnreg), loads each BN-key tile into a STAGES-deep ring of
-  shared-memory buffers, first K, then V, and never waits on its own loads, only on a stage's `empty`
-  mbarrier before reusing it: each copy completes the stage's K-full or V-full mbarrier when it lands.
+- warpgroup 0, the producer (after setmaxnreg 56 registers, 32 beside three consumers), loads each BN-key
+  tile into a STAGES-deep ring of shared-memory buffers, first K, then V, and never waits on its own loads,
+  only on a stage's `empty` mbarrier before reusing it: each copy completes the stage's K-full or V-full
+  mbarrier when it lands.
   - By TMA where the page geometry allows (`tma_box` in __init__.py: pages of a multiple of 8 keys that
     divide the tile or that the tile divides): one tensor map per cache over (slot, d, KV head, page), one
     box per page (or tile-sized part of a page) and 64 head-dim elements, written in the 128-byte swizzle
@@ -22,20 +24,22 @@ issues its next Q rows as soon as its last S = Q K^T is done (before its last P 
     chunks, key j at page page_table[b, j // PAGE], slot j % PAGE (page id widened to 64 bits), each
     thread's arrival landing with its copies (cp.async.mbarrier.arrive). Rows past the visible range copy the
     last visible key (finite values the consumers mask to P = 0), so nothing stale, uninitialized or NaN is
-    ever multiplied. About 14 instructions per copy (unsigned key and page math, byte strides, 8 in flight).
+    ever multiplied. About 14 instructions per copy (unsigned key and page math, byte strides, 8 in flight;
+    4 beside three consumers, which in 32 registers spill none).
   With cp.async for every tile the producer's instructions (about 450 per tile and warp) took issue slots
   from the consumers on each SM sub-partition: TMA took 1x16384 from 461 to 551 TFLOP/s (h200.md).
-- warpgroups 1 and 2, the consumers (224 registers), own 64 query rows each. Per tile j: wait for the P V
-  of tile j - 2, rescale O to tile j - 1's max and convert its P to 16 bits, release tile j - 2's stage;
+- warpgroups 1 .. NC, the consumers (224 registers, 160 for three), own 64 query rows each. Per tile j: wait for
+  the P V of tile j - 2, rescale O to tile j - 1's max and convert its P to 16 bits, release tile j - 2's stage;
   wait for K of tile j and V of tile j - 1, fence the cp.async (generic-proxy) writes for the tensor cores
-  (fence.proxy.async); issue S = Q K^T (wgmma, Q and K from shared memory) and O += P V of tile j - 1
-  (wgmma, P from registers, V read N-major); wait for S only, then softcap, the masks (kv_start, causal,
-  window; only on tiles at the ends of the range) and the online softmax on the accumulator fragments
-  while P V runs. The wait for P V sits at the top of the next iteration: placed after the softmax in the
-  same block, ptxas scheduled it ahead of the exponentials (SASS: WARPGROUP.DEPBAR.LE gsb0, 0x0 before
-  the MUFU.EX2), serializing them with the product.
-- the consumers take turns issuing their GEMMs (named barriers 3 and 4, as FlashAttention-3's ping-pong):
-  one warpgroup's softmax runs while the other's products occupy the tensor cores.
+  (fence.proxy.async); issue S = Q K^T (wgmma, Q and K from shared memory) and O += P V of tile j - 1 (wgmma, P
+  from registers, V read N-major); wait for S only, then softcap, the masks (kv_start, causal, window; only on
+  tiles at the ends of the range) and the online softmax on the accumulator fragments while P V runs. The wait for
+  P V sits at the top of the next iteration: placed after the softmax in the same block, ptxas scheduled it ahead
+  of the exponentials (SASS: WARPGROUP.DEPBAR.LE gsb0, 0x0 before the MUFU.EX2), serializing them with the
+  product.
+- the consumers take turns issuing their GEMMs, in a ring (named barriers NC + 1 .. 2 NC; 1 .. NC are their Q
+  loads'), as FlashAttention-3's ping-pong: one warpgroup's softmax runs while another's products occupy the
+  tensor cores.
 - each consumer's output leaves from registers (`_epilogue`): lanes trade one pair of columns per two column
   groups so that each store writes 8 contiguous bytes, 8 rows x 32 bytes per warp instruction (out's rows
   start on 16 bytes, which `_run_extend` checks). Staged through shared memory, it would hold the Q rows the
@@ -74,30 +78,36 @@ from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from b12x_inductor.kernels.cute import EXTEND_BLOCK_M as BLOCK_M
-from b12x_inductor.kernels.cute import extend_geometry, tma, tma_box
+from b12x_inductor.kernels.cute import EXTEND_BLOCK_M, extend_geometry, tma, tma_box
 from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
                                                live_range, release_phase, scales, stage_phase)
 from b12x_inductor.kernels.cute.ptx import pack2
 from b12x_inductor.kernels.cute.softmax import online_softmax
 
-THREADS = 384  # producer warpgroup + two consumer warpgroups
-TURN_BAR = 3  # named barriers 3 and 4: consumer warpgroup 0's and 1's turn to issue (1 and 2 are the Q loads')
-PRODUCER_REGS, CONSUMER_REGS = 56, 224  # 128 x 56 + 256 x 224 <= 65536
+# (producer, consumer) registers after setmaxnreg by consumer warpgroups: 128 x 56 + 256 x 224 and
+# 128 x 32 + 384 x 160 fit the 65536 of an SM (three consumers, as FlashAttention-3's 192-row tile at D 64)
+REGS = {2: (56, 224), 3: (32, 160)}
 
 
 class ExtendKernel:
     """The extend kernel for one set of compile-time constants (see `extend_geometry` in __init__.py)."""
 
     def __init__(self, *, d: int, g: int, hq: int, batch: int, s: int, page: int, packed: bool, tile_n: int,
-                 stages: int, q_dtype, causal: bool, use_window: bool, use_softcap: bool, sm_count: int):
+                 stages: int, q_dtype, causal: bool, use_window: bool, use_softcap: bool, sm_count: int,
+                 block_m: int = EXTEND_BLOCK_M):
         self.d, self.g, self.hq, self.batch, self.s, self.page, self.packed = d, g, hq, batch, s, page, packed
         self.tile_n, self.stages, self.dtype = tile_n, stages, q_dtype
         self.causal, self.use_window, self.use_softcap = causal, use_window, use_softcap
-        geo = extend_geometry(d=d, tile_n=tile_n, stages=stages)
+        geo = extend_geometry(d=d, tile_n=tile_n, stages=stages, block_m=block_m)
         assert geo is not None, "the plan's tile does not fit this kernel (kernels/cute/__init__.py: extend_geometry)"
         self.__dict__.update(geo)  # with `storage`, the kernel's shared memory (kernels/cute/storage.py)
-        self.tiles = (-(-s // BLOCK_M) + batch) if packed else batch * -(-s // BLOCK_M)
+        # block_m query rows a CTA, 64 a consumer warpgroup; barriers 1 .. NC are the consumers' Q loads, NC + 1 ..
+        # 2 NC their turns to issue GEMMs
+        self.nc = block_m // 64
+        self.threads = 128 * (1 + self.nc)
+        self.turn_bar = 1 + self.nc
+        self.block_m = block_m
+        self.tiles = (-(-s // block_m) + batch) if packed else batch * -(-s // block_m)
         self.items = hq * self.tiles  # work items: (query head, row tile), item = hq + Hq x tile
         self.ctas = min(self.items, sm_count) if sm_count > 0 else self.items  # persistent: one CTA per SM
         self.box = tma_box(page=page, tile_n=tile_n)
@@ -124,7 +134,7 @@ class ExtendKernel:
             lse_ptr, q_sb, q_ss, q_sh, k_sp, k_so, k_sh, v_sp, v_so, v_sh, pt_sb, kds_b, kds_h, vds_b, vds_h,
             has_kv_start, has_sinks, has_kds, has_vds, window_left, sm_scale, softcap, max_pages * self.page,
             k_pages, tma_k, m_k, tma_v, m_v,
-        ).launch(grid=(self.ctas, 1, 1), block=(THREADS, 1, 1), smem=self.smem_bytes, stream=stream,
+        ).launch(grid=(self.ctas, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes, stream=stream,
                  min_blocks_per_mp=1)
 
     @cute.jit
@@ -156,7 +166,7 @@ class ExtendKernel:
                 c_lo = cutlass.min(cutlass.max(Int32(cu[i]), Int32(0)), Int32(self.s))
                 c_hi = cutlass.min(cutlass.max(Int32(cu[i + 1]), Int32(0)), Int32(self.s))
                 n_i = cutlass.max(c_hi - c_lo, Int32(0))
-                tiles_i = (n_i + BLOCK_M - 1) // BLOCK_M
+                tiles_i = (n_i + self.block_m - 1) // self.block_m
                 if (t >= cum) & (t < cum + tiles_i):
                     b = i
                     mt = t - cum
@@ -165,11 +175,11 @@ class ExtendKernel:
                 cum = cum + tiles_i
             if t >= cum:
                 end = cutlass.min(cutlass.max(Int32(cu[self.batch]), Int32(0)), Int32(self.s))
-                pad_from = end + (t - cum) * BLOCK_M
+                pad_from = end + (t - cum) * self.block_m
         else:
             # longest first across the batch: every request's last row tile (the most keys under a causal
             # mask) before any request's second-to-last, so the last CTAs to start are the shortest
-            per_req = const_expr(-(-self.s // BLOCK_M))
+            per_req = const_expr(-(-self.s // self.block_m))
             b = t % self.batch
             mt = per_req - 1 - t // self.batch
             row0 = Int64(b) * self.s
@@ -183,8 +193,8 @@ class ExtendKernel:
         tile's key range [lo, hi) (lo on a TMA box boundary where the keys that adds are the request's), the
         range [full_lo, full_hi) every row of the tile sees whole, and the range's BN-key tile count."""
         length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
-        c_min = length - n_b + mt * BLOCK_M
-        c_max = length - n_b + cutlass.min(mt * BLOCK_M + BLOCK_M, n_b) - 1
+        c_min = length - n_b + mt * self.block_m
+        c_max = length - n_b + cutlass.min(mt * self.block_m + self.block_m, n_b) - 1
         lo = start
         full_lo = start
         if const_expr(self.use_window):
@@ -242,15 +252,15 @@ class ExtendKernel:
                 (stages, SLABS, rows // 8, 8, 8, 8),
                 stride=(rows * D, rows * 64, 512, 64, 8, 1)))
 
-        wQ = chunks_view(q_tile, BLOCK_M, 1)
+        wQ = chunks_view(q_tile, self.block_m, 1)
         wK = chunks_view(ring, BN, NS)
         wV = chunks_view(ring + NS * kv_elems, BN, NS)
 
         mma_qk = self._mma_qk()
         mma_pv = self._mma_pv()
-        lq = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (BLOCK_M, BN, D), dt, 1)
-        lk = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (BLOCK_M, BN, D), dt, NS)
-        lv = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (BLOCK_M, D, BN), dt, NS)
+        lq = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.block_m, BN, D), dt, 1)
+        lk = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, BN, D), dt, NS)
+        lv = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (self.block_m, D, BN), dt, NS)
         sQ = cute.make_tensor(cute.recast_ptr(q_tile, lq.inner, dtype=dt), lq.outer)
         sK = cute.make_tensor(cute.recast_ptr(ring, lk.inner, dtype=dt), lk.outer)
         sV = cute.make_tensor(cute.recast_ptr(ring + NS * kv_elems, lv.inner, dtype=dt), lv.outer)
@@ -259,7 +269,7 @@ class ExtendKernel:
             for i in cutlass.range_constexpr(NS):
                 cute.arch.mbarrier_init(full_barrier(mbar, NS, 0, i), 128)  # K full: every producer thread arrives
                 cute.arch.mbarrier_init(full_barrier(mbar, NS, 1, i), 128)  # V full
-                cute.arch.mbarrier_init(empty_barrier(mbar, NS, i), 256)  # empty: every consumer thread arrives
+                cute.arch.mbarrier_init(empty_barrier(mbar, NS, i), 128 * self.nc)  # empty: every consumer thread
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
 
@@ -271,7 +281,7 @@ class ExtendKernel:
         # compute the same key ranges, so their tile counts agree; the producer runs ahead into the next item while
         # the consumers finish the last one (epilogue, next Q).
         if wg == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(REGS[self.nc][0])
             if const_expr(self.box != 0):
                 if tidx == 0:
                     cpasync.prefetch_descriptor(tma_k)
@@ -289,7 +299,7 @@ class ExtendKernel:
                                   tma_v, m_v)
                     done = done + n_tiles
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(REGS[self.nc][1])
             ctid = tidx - 128
             wgc = wg - 1
             thr_qk = mma_qk.get_slice(ctid)
@@ -297,10 +307,10 @@ class ExtendKernel:
             tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
             tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
             tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
-            acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((BLOCK_M, BN)))
-            acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((BLOCK_M, D)))
-            t_cs = thr_qk.partition_C(cute.make_identity_tensor((BLOCK_M, BN)))
-            t_co = thr_pv.partition_C(cute.make_identity_tensor((BLOCK_M, D)))
+            acc_s = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.block_m, BN)))
+            acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.block_m, D)))
+            t_cs = thr_qk.partition_C(cute.make_identity_tensor((self.block_m, BN)))
+            t_co = thr_pv.partition_C(cute.make_identity_tensor((self.block_m, D)))
             m_run = cute.make_rmem_tensor((2,), Float32)
             l_run = cute.make_rmem_tensor((2,), Float32)
             r_p = cute.make_rmem_tensor(acc_s.layout, dt)
@@ -308,10 +318,11 @@ class ExtendKernel:
                                                                   stride=((1, 2, 4), 0, 8)))
             limit = cute.make_rmem_tensor((2,), Int32)
             alpha = cute.make_rmem_tensor((2,), Float32)
-            # the GEMM turns run on across items too: consumer warpgroup 0 issues first, and takes the last
-            # pass after the last item (every turn barrier ends complete)
-            if wgc == 1:
-                self._pass_turn(1)
+            # the GEMM turns run on across items too, in a ring: consumer warpgroup 0 issues first (the last one
+            # passes it the first turn), and takes the last one's pass after the last item (every turn barrier
+            # ends complete)
+            if wgc == self.nc - 1:
+                self._pass_turn(wgc)
             done = Int32(0)
             q_pending = self._issue_q(q_ptr, cu_ptr, cta, q_sb, q_ss, q_sh, ctid, wgc, wQ)  # the first item's Q
             for k in cutlass.range(cta, self.items, self.ctas, unroll=1):
@@ -334,7 +345,7 @@ class ExtendKernel:
                         m_run[i] = Float32(NEG_BIG)
                         l_run[i] = Float32(0.0)
                         # causal limits of this thread's two rows (fragment rows r and r + 8)
-                        limit[i] = length - n_b + mt * BLOCK_M + t_cs[2 * i][0]
+                        limit[i] = length - n_b + mt * self.block_m + t_cs[2 * i][0]
                     if n_tiles > 0:
                         # tile 0: scores and softmax; its P V is issued with the next tile's scores
                         cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, done % NS), stage_phase(done, NS))
@@ -393,7 +404,7 @@ class ExtendKernel:
                                    out_ptr, lse_rows, tidx % 32)
                     done = done + n_tiles
             if wgc == 0:
-                self._take_turn(0)  # the other warpgroup's last pass
+                self._take_turn(0)  # the last warpgroup's last pass
 
     @cute.jit
     def _issue_q(self, q_ptr: cute.Pointer, cu_ptr: cute.Pointer, item: Int32, q_sb: Int64, q_ss: Int64,
@@ -419,7 +430,7 @@ class ExtendKernel:
                     row = wgc * 64 + ci // CH
                     ch = ci % CH
                     dst = self._chunk(wQ[0, None, None, None, None, None], row, ch)
-                    r = mt * BLOCK_M + row
+                    r = mt * self.block_m + row
                     if r < n_b:
                         src = cute.make_tensor(cute.make_ptr(dt, q_base + (Int64(r) * q_ss + ch * 8) * 2,
                                                              cute.AddressSpace.gmem, assumed_align=16),
@@ -476,7 +487,7 @@ class ExtendKernel:
             if seen:
                 f = cute.arch.exp2(m_r - m_f) * v_scale / l_f
             row = t_co[2 * rh][0]
-            r = mt * BLOCK_M + row
+            r = mt * self.block_m + row
             out_row = out_ptr.toint() + ((row0 + Int64(r)) * self.hq + Int64(hq)) * D * 2
             for i in cutlass.range_constexpr(NG // 2):
                 e0 = const_expr(8 * i + 2 * rh)  # the pair of group 2 i in this row half (element e0, e0 + 1)
@@ -508,12 +519,13 @@ class ExtendKernel:
 
     @cute.jit
     def _pad_rows(self, out_ptr: cute.Pointer, lse_rows: cute.Tensor, hq: Int32, pad_from: Int32, ctid: Int32):
-        """Packed q's padding rows past cu_seqlens_q[-1]: zeros and lse = -inf into the BLOCK_M rows of out from
-        row pad_from that are below the capacity T, written by the 256 consumer threads (ctid)."""
+        """Packed q's padding rows past cu_seqlens_q[-1]: zeros and lse = -inf into the block_m rows of out from
+        row pad_from that are below the capacity T, written by the 128 x NC consumer threads (ctid)."""
         D = const_expr(self.d)
-        count = cutlass.min(Int32(BLOCK_M), Int32(self.s) - pad_from)
-        for i in cutlass.range(BLOCK_M * D // 256, unroll=1):
-            e = ctid + i * 256
+        count = cutlass.min(Int32(self.block_m), Int32(self.s) - pad_from)
+        CT = const_expr(128 * self.nc)
+        for i in cutlass.range(self.block_m * D // CT, unroll=1):
+            e = ctid + i * CT
             if e < count * D:
                 r = Int64(pad_from) + Int64(e // D)
                 orow = cute.make_tensor(out_ptr + (r * self.hq + Int64(hq)) * D, cute.make_layout((D,)))
@@ -522,30 +534,29 @@ class ExtendKernel:
                     lse_rows[r * self.hq + Int64(hq)] = Float32(-math.inf)
 
     def _mma_qk(self):
-        """S = Q K^T: two warpgroups of 64 rows, Q and K from shared memory (both K-major)."""
+        """S = Q K^T: NC warpgroups of 64 rows, Q and K from shared memory (both K-major)."""
         kmaj = warpgroup.OperandMajorMode.K
-        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, kmaj, kmaj, Float32, (2, 1, 1),
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, kmaj, kmaj, Float32, (self.nc, 1, 1),
                                                  (64, self.tile_n))
 
     def _mma_pv(self):
         """O += P V: P from registers, V from shared memory read N-major (the head dim is contiguous)."""
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, warpgroup.OperandMajorMode.K,
-                                                 warpgroup.OperandMajorMode.MN, Float32, (2, 1, 1), (64, self.d),
+                                                 warpgroup.OperandMajorMode.MN, Float32, (self.nc, 1, 1), (64, self.d),
                                                  a_source=warpgroup.OperandSource.RMEM)
 
     def _masks(self) -> dict:
         """The compile-time flags of `online_softmax` for this kernel."""
         return dict(tile_n=self.tile_n, causal=self.causal, use_window=self.use_window, use_softcap=self.use_softcap)
 
-    @staticmethod
-    def _take_turn(wgc):
-        """Waits until consumer warpgroup `wgc` may issue its GEMMs (the other one has issued its own)."""
-        cute.arch.barrier(barrier_id=TURN_BAR + wgc, number_of_threads=256)
+    def _take_turn(self, wgc):
+        """Waits until consumer warpgroup `wgc` may issue its GEMMs (the one before it in the ring has issued
+        its own)."""
+        cute.arch.barrier(barrier_id=self.turn_bar + wgc, number_of_threads=256)
 
-    @staticmethod
-    def _pass_turn(wgc):
-        """Consumer warpgroup `wgc` has issued its GEMMs: the other one may issue."""
-        cute.arch.barrier_arrive(barrier_id=TURN_BAR + 1 - wgc, number_of_threads=256)
+    def _pass_turn(self, wgc):
+        """Consumer warpgroup `wgc` has issued its GEMMs: the next one in the ring may issue."""
+        cute.arch.barrier_arrive(barrier_id=self.turn_bar + (wgc + 1) % self.nc, number_of_threads=256)
 
     @cute.jit
     def _rescale_and_convert(self, acc_o: cute.Tensor, alpha: cute.Tensor, r_p: cute.Tensor, acc_s: cute.Tensor):
@@ -668,7 +679,7 @@ class ExtendKernel:
             gbase = k_base if kv == 0 else v_base
             sp = k_sp_b if kv == 0 else v_sp_b
             so = k_so_b if kv == 0 else v_so_b
-            for i in cutlass.range(ROWS, unroll=8):
+            for i in cutlass.range(ROWS, unroll=8 if self.nc == 2 else 4):
                 row = tidx // CH + i * (128 // CH)
                 # rows past the range copy the last visible key (finite; the consumers mask it to P = 0)
                 j = cutlass.min(j1 + Uint32(i * (128 // CH)), last)

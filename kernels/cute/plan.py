@@ -6,7 +6,8 @@ measured with (CUTE_SPLITS). block_m 1 selects the CUDA-core kernel (decode.py),
 one (decode_mma.py), which takes float8 decode once a split spans at least MMA_MIN_SPLIT_KEYS of the keys a
 query can see (Problem.kv_span). Extend: 128 query rows (two consumer warpgroups) and a producer warpgroup,
 128-key tiles (48 or 32 at D 256), as many stages as shared memory holds (extend_tiles, extend_geometry),
-persistent CTAs (one per SM). Absorbed MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about
+persistent CTAs (one per SM); a 192-row tile (three consumers) at D 64 is a variant, and extend_rows the rule
+the plan takes it by once EXTEND_WIDE_PLAN is on. Absorbed MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about
 one CTA per SM (MLA_SPLITS); the seesaw kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query
 rows or more per request with long splits (mla_plan), else mla.py (4 stages of 32 keys); a float8 latent cache
 on mla.py, or on the narrow kernel (mla_narrow.py, block_m 16: products transposed, 5 stages of 64 keys) where a
@@ -30,6 +31,15 @@ SEESAW_MIN_SPLIT_KEYS = 1024  # a split's keys; fewer (H128 1x32768: 512) and ml
 # 64 x 256 fp32 P V accumulators (128 registers a thread) leave room for small score tiles only: 48 keys in 3
 # stages (64 keys in 2 spilled), or 32 in 4 where pages have TMA boxes of 32 keys but not of 48 (extend_tiles)
 EXTEND_TILES = {64: (128, 4), 128: (128, 3), 256: (48, 3)}
+# extend.py's query rows per CTA -> num_warps: a producer warpgroup and a consumer warpgroup a 64 rows; 192 rows
+# (three consumers of 160 registers, FlashAttention-3's tile at D 64) only up to EXTEND_WIDE_MAX_D
+EXTEND_BLOCK_M = 128
+EXTEND_ROWS = {EXTEND_BLOCK_M: 12, 192: 16}
+EXTEND_WIDE_MAX_D = 64
+EXTEND_WIDE_MIN_Q = 2048  # extend_rows: new tokens a request (4D q) from which D <= 64 takes 192-row tiles
+# the plan takes extend_rows' choice only once the 192-row plan's CUDA-graph replay and reduce-overhead compile
+# tests (tests/test_cute_kernels.py, "192_rows") have passed on a GPU; until then every extend plan has 128 rows
+EXTEND_WIDE_PLAN = False
 EXTEND_D256_BOX32 = (32, 4)
 MLA_TILE = dict(block_m=64, block_n=32, num_stages=4, num_warps=12)  # mla.py: 64 rows, 4 stages of 32 keys
 MLA_SPLITS = dict(programs_per_sm=1, max_splits=128)  # one CTA fits an SM (223-226 KB of shared memory)
@@ -49,6 +59,13 @@ def plan(problem: Problem, **tiles) -> Plan:
         raise ValueError("paged_attention: the cute family's MLA kernel reads V from K's tiles, its other kernels "
                          f"load V themselves; v_from_k={tiles['v_from_k']} is the Triton family's")
     out = with_tiles(problem, _plan(problem), tiles, always_split=not mla)
+    if problem.mode == "extend":
+        if EXTEND_ROWS.get(out.block_m) != out.num_warps or (
+                out.block_m != EXTEND_BLOCK_M and problem.head_dim > EXTEND_WIDE_MAX_D):
+            raise ValueError("paged_attention: the cute family's extend kernel takes (block_m, num_warps) among "
+                             f"{sorted(EXTEND_ROWS.items())}, 192 rows at head dims up to {EXTEND_WIDE_MAX_D}; got "
+                             f"block_m={out.block_m}, num_warps={out.num_warps}, head_dim={problem.head_dim}")
+        return out
     if mla and out.block_m == MLA_NARROW_TILE["block_m"]:
         from b12x_inductor.kernels.cute import mla_narrow_geometry
 
@@ -83,8 +100,9 @@ def _plan(problem: Problem) -> Plan:
         return mla_plan(problem)
     if problem.mode == "extend":  # as many stages as shared memory holds
         block_n, stages = extend_tiles(problem.head_dim, problem.page_size)
-        return Plan(mode="extend", family="cute", num_splits=1, block_m=128, block_n=block_n, num_warps=12,
-                    num_stages=stages, scratch_bytes=0)
+        rows = extend_rows(problem) if EXTEND_WIDE_PLAN else EXTEND_BLOCK_M
+        return Plan(mode="extend", family="cute", num_splits=1, block_m=rows, block_n=block_n,
+                    num_warps=EXTEND_ROWS[rows], num_stages=stages, scratch_bytes=0)
     splits = triton_num_splits(problem, problem.batch * problem.num_kv_heads, **CUTE_SPLITS)
     tile = TILE
     if (problem.mode == "decode" and problem.kv_dtype == FP8 and problem.head_dim <= 128
@@ -93,6 +111,19 @@ def _plan(problem: Problem) -> Plan:
     # the split kernel always writes partials and the merge kernel combines them, even for one split
     return Plan(mode=problem.mode, family="cute", num_splits=splits, **tile,
                 scratch_bytes=split_scratch_bytes(problem, splits, always=True))
+
+
+def extend_rows(problem: Problem) -> int:
+    """extend.py's query rows a CTA: 192 (three consumer warpgroups) at D <= 64 for 4D q of at least
+    EXTEND_WIDE_MIN_Q new tokens a request without a window, else 128. Measured on an H100 (h200.md, "Session
+    55"): 192 rows 1.09-1.20x at 2048 new tokens a request or more, D 64; 0.93x at 16x1024 and 0.86x at
+    1x8192:1024, where a request's rows pad to 192 (1152 for 1024) and the fewer, longer items fill the last
+    round of CTAs worse. Packed q keeps 128: its requests' lengths are the device's, and short ones would pad.
+    The plan follows it only with EXTEND_WIDE_PLAN."""
+    if (problem.head_dim <= EXTEND_WIDE_MAX_D and not problem.packed and problem.window_left < 0
+            and problem.q_len >= EXTEND_WIDE_MIN_Q):
+        return 192
+    return EXTEND_BLOCK_M
 
 
 def extend_tiles(head_dim: int, page: int) -> tuple[int, int]:
