@@ -142,18 +142,16 @@ def mma_geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, n
 
 
 EXTEND_BLOCK_M = _plan.EXTEND_BLOCK_M  # extend.py: query rows per CTA (two consumer warpgroups of 64)
-EXTEND_ROWS = _plan.EXTEND_ROWS  # extend.py's rows per CTA -> num_warps; 192 rows at D <= EXTEND_WIDE_MAX_D only
-EXTEND_WIDE_MAX_D = _plan.EXTEND_WIDE_MAX_D
 
 
 def extend_geometry(*, d: int, tile_n: int, stages: int, block_m: int = EXTEND_BLOCK_M) -> dict | None:
     """The extend kernel's shared memory (extend.py), or None where the configuration does not fit: a Q tile
     of block_m x D and `stages` K and V tiles of tile_n x D, 16-bit, 1024-byte aligned for the 128-byte
     swizzle, plus 3 x stages mbarriers (`storage`: storage.extend_storage; `smem_bytes` its size). None too
-    for a row count that EXTEND_ROWS lacks, or 192 rows above D 64 (their registers)."""
+    for rows extend.py does not take at this D (plan.extend_rows_fit: 192 only up to D 64)."""
     if d not in EXTEND_HEAD_DIMS or tile_n % 16 or not 16 <= tile_n <= 256 or stages < 2:
         return None
-    if block_m not in EXTEND_ROWS or (block_m != EXTEND_BLOCK_M and d > EXTEND_WIDE_MAX_D):
+    if not _plan.extend_rows_fit(block_m, d):
         return None
     from .storage import extend_storage
 

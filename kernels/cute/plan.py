@@ -60,8 +60,7 @@ def plan(problem: Problem, **tiles) -> Plan:
                          f"load V themselves; v_from_k={tiles['v_from_k']} is the Triton family's")
     out = with_tiles(problem, _plan(problem), tiles, always_split=not mla)
     if problem.mode == "extend":
-        if EXTEND_ROWS.get(out.block_m) != out.num_warps or (
-                out.block_m != EXTEND_BLOCK_M and problem.head_dim > EXTEND_WIDE_MAX_D):
+        if EXTEND_ROWS.get(out.block_m) != out.num_warps or not extend_rows_fit(out.block_m, problem.head_dim):
             raise ValueError("paged_attention: the cute family's extend kernel takes (block_m, num_warps) among "
                              f"{sorted(EXTEND_ROWS.items())}, 192 rows at head dims up to {EXTEND_WIDE_MAX_D}; got "
                              f"block_m={out.block_m}, num_warps={out.num_warps}, head_dim={problem.head_dim}")
@@ -113,6 +112,12 @@ def _plan(problem: Problem) -> Plan:
                 scratch_bytes=split_scratch_bytes(problem, splits, always=True))
 
 
+def extend_rows_fit(block_m: int, head_dim: int) -> bool:
+    """Whether extend.py takes block_m query rows a CTA at this head dim: a row count of EXTEND_ROWS, 192 rows
+    only up to EXTEND_WIDE_MAX_D (a consumer's 160 registers)."""
+    return block_m in EXTEND_ROWS and (block_m == EXTEND_BLOCK_M or head_dim <= EXTEND_WIDE_MAX_D)
+
+
 def extend_rows(problem: Problem) -> int:
     """extend.py's query rows a CTA: 192 (three consumer warpgroups) at D <= 64 for 4D q of at least
     EXTEND_WIDE_MIN_Q new tokens a request without a window, else 128. Measured on an H100 (h200.md, "Session
@@ -120,7 +125,7 @@ def extend_rows(problem: Problem) -> int:
     1x8192:1024, where a request's rows pad to 192 (1152 for 1024) and the fewer, longer items fill the last
     round of CTAs worse. Packed q keeps 128: its requests' lengths are the device's, and short ones would pad.
     The plan follows it only with EXTEND_WIDE_PLAN."""
-    if (problem.head_dim <= EXTEND_WIDE_MAX_D and not problem.packed and problem.window_left < 0
+    if (extend_rows_fit(192, problem.head_dim) and not problem.packed and problem.window_left < 0
             and problem.q_len >= EXTEND_WIDE_MIN_Q):
         return 192
     return EXTEND_BLOCK_M
