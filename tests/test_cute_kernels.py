@@ -94,20 +94,18 @@ def test_cute_extend_192_rows_at_d64_only():
             family_plan(_problem(q_len=300, head_dim=d), "cute", **tiles)
 
 
-def test_cute_extend_rows_rule(monkeypatch):
+def test_cute_extend_rows_rule():
     """extend_rows: 192 rows at D 64 for 4D q of 2048 new tokens a request or more without a window, 128 for
-    fewer, packed q, a window, D 128; the plan takes it only with EXTEND_WIDE_PLAN (off until the 192-row plan's
-    graph-replay and compile tests have run on a GPU)."""
+    fewer, packed q, a window, D 128; the plan follows it."""
     from b12x_inductor.kernels.cute import plan as cute_plan
     from b12x_inductor.plan import family_plan
 
     wide = _problem(q_len=2048, head_dim=64)
     assert cute_plan.extend_rows(wide) == 192
-    assert family_plan(wide, "cute").block_m == (192 if cute_plan.EXTEND_WIDE_PLAN else 128)
     for kw in (dict(q_len=1024), dict(q_len=4096, packed=True), dict(q_len=4096, window_left=127),
                dict(q_len=4096, head_dim=128)):
-        assert cute_plan.extend_rows(_problem(**dict(dict(head_dim=64), **kw))) == 128, kw
-    monkeypatch.setattr(cute_plan, "EXTEND_WIDE_PLAN", True)
+        problem = _problem(**dict(dict(head_dim=64), **kw))
+        assert cute_plan.extend_rows(problem) == 128 == family_plan(problem, "cute").block_m, kw
     plan = family_plan(wide, "cute")
     assert (plan.block_m, plan.num_warps, plan.block_n, plan.num_stages) == (192, 16, 128, 4)
 
@@ -521,7 +519,6 @@ def test_gpu_cute_extend_192_rows_compile_reduce_overhead_no_skip_no_recompile(m
     from b12x_inductor.kernels.cute import plan as cute_plan
 
     monkeypatch.setattr(cute_plan, "measured_faster", lambda problem: True)
-    monkeypatch.setattr(cute_plan, "EXTEND_WIDE_PLAN", True)
     ops.plan_for.cache_clear()
     t = make_inputs(batch=2, q_len=2048, hq=8, hkv=2, d=64, page_size=16, lens=[2048, 2500], spare_pages=4,
                     device="cuda", seed=13)

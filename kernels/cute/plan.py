@@ -6,13 +6,12 @@ measured with (CUTE_SPLITS). block_m 1 selects the CUDA-core kernel (decode.py),
 one (decode_mma.py), which takes float8 decode once a split spans at least MMA_MIN_SPLIT_KEYS of the keys a
 query can see (Problem.kv_span). Extend: 128 query rows (two consumer warpgroups) and a producer warpgroup,
 128-key tiles (48 or 32 at D 256), as many stages as shared memory holds (extend_tiles, extend_geometry),
-persistent CTAs (one per SM); a 192-row tile (three consumers) at D 64 is a variant, and extend_rows the rule
-the plan takes it by once EXTEND_WIDE_PLAN is on. Absorbed MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about
-one CTA per SM (MLA_SPLITS); the seesaw kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query
+persistent CTAs (one per SM); 192 rows (three consumers) at D 64 for long 4D prefills (extend_rows). Absorbed MLA
+decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per SM (MLA_SPLITS); the seesaw kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query
 rows or more per request with long splits (mla_plan), else mla.py (4 stages of 32 keys); a float8 latent cache
 on mla.py, or on the narrow kernel (mla_narrow.py, block_m 16: products transposed, 5 stages of 64 keys) where a
 request has at most 16 query rows. The choices and the measurements behind them: benchmarks/results/h200.md,
-"CuTe DSL kernels", "Session 27", "Session 29", "Session 33", "Session 34", "Session 36" and "Session 38".
+"CuTe DSL kernels", "Session 27", "Session 29", "Session 33", "Session 34", "Session 36", "Session 38" and "Session 55".
 """
 
 from __future__ import annotations
@@ -37,9 +36,6 @@ EXTEND_BLOCK_M = 128
 EXTEND_ROWS = {EXTEND_BLOCK_M: 12, 192: 16}
 EXTEND_WIDE_MAX_D = 64
 EXTEND_WIDE_MIN_Q = 2048  # extend_rows: new tokens a request (4D q) from which D <= 64 takes 192-row tiles
-# the plan takes extend_rows' choice only once the 192-row plan's CUDA-graph replay and reduce-overhead compile
-# tests (tests/test_cute_kernels.py, "192_rows") have passed on a GPU; until then every extend plan has 128 rows
-EXTEND_WIDE_PLAN = False
 EXTEND_D256_BOX32 = (32, 4)
 MLA_TILE = dict(block_m=64, block_n=32, num_stages=4, num_warps=12)  # mla.py: 64 rows, 4 stages of 32 keys
 MLA_SPLITS = dict(programs_per_sm=1, max_splits=128)  # one CTA fits an SM (223-226 KB of shared memory)
@@ -99,7 +95,7 @@ def _plan(problem: Problem) -> Plan:
         return mla_plan(problem)
     if problem.mode == "extend":  # as many stages as shared memory holds
         block_n, stages = extend_tiles(problem.head_dim, problem.page_size)
-        rows = extend_rows(problem) if EXTEND_WIDE_PLAN else EXTEND_BLOCK_M
+        rows = extend_rows(problem)
         return Plan(mode="extend", family="cute", num_splits=1, block_m=rows, block_n=block_n,
                     num_warps=EXTEND_ROWS[rows], num_stages=stages, scratch_bytes=0)
     splits = triton_num_splits(problem, problem.batch * problem.num_kv_heads, **CUTE_SPLITS)
@@ -123,8 +119,7 @@ def extend_rows(problem: Problem) -> int:
     EXTEND_WIDE_MIN_Q new tokens a request without a window, else 128. Measured on an H100 (h200.md, "Session
     55"): 192 rows 1.09-1.20x at 2048 new tokens a request or more, D 64; 0.93x at 16x1024 and 0.86x at
     1x8192:1024, where a request's rows pad to 192 (1152 for 1024) and the fewer, longer items fill the last
-    round of CTAs worse. Packed q keeps 128: its requests' lengths are the device's, and short ones would pad.
-    The plan follows it only with EXTEND_WIDE_PLAN."""
+    round of CTAs worse. Packed q keeps 128: its requests' lengths are the device's, and short ones would pad."""
     if (extend_rows_fit(192, problem.head_dim) and not problem.packed and problem.window_left < 0
             and problem.q_len >= EXTEND_WIDE_MIN_Q):
         return 192
