@@ -53,10 +53,13 @@ def _cases():
     mla = dict(num_q_heads=128, num_kv_heads=1, head_dim=576, v_head_dim=512, v_in_k=True)
     seesaw = dict(block_n=64, num_stages=2, num_warps=8)  # mla_seesaw.py where the plan is mla.py
     for q_len, heads, page, tiles in ((1, 128, 64, {}), (1, 16, 1, {}), (4, 16, 16, seesaw),
-                                      (2, 128, 128, dict(seesaw, num_splits=1)), (4, 16, 8, {})):
+                                      (2, 128, 128, dict(seesaw, num_splits=1)), (4, 16, 8, {}),
+                                      (1, 128, 64, dict(seesaw, num_splits=2)), (1, 16, 16, dict(num_splits=2))):
+        # the last two: 2 splits, merged in their cluster
         grid.append((dict(mla, q_len=q_len, num_q_heads=heads, page_size=page), tiles))  # mla(_seesaw).py
-    for q_len, heads, page, q_dtype in ((1, 16, 64, torch.bfloat16), (4, 128, 1, torch.float16)):
-        grid.append((dict(mla, q_len=q_len, num_q_heads=heads, page_size=page, q_dtype=q_dtype, kv_dtype=F8), {}))
+    for q_len, heads, page, q_dtype, tiles in ((1, 16, 64, torch.bfloat16, {}), (4, 128, 1, torch.float16, {}),
+                                               (2, 128, 64, torch.bfloat16, dict(num_splits=2))):
+        grid.append((dict(mla, q_len=q_len, num_q_heads=heads, page_size=page, q_dtype=q_dtype, kv_dtype=F8), tiles))
     for q_len, heads, page, q_dtype, kv_dtype in ((1, 16, 64, torch.bfloat16, torch.bfloat16),
                                                    (2, 8, 1, torch.float16, torch.float16),
                                                    (1, 16, 16, torch.bfloat16, F8)):  # mla_narrow.py
@@ -83,6 +86,9 @@ def test_the_grid_reaches_every_kernel():
     assert ("decode", 64) in modes and ("verify", 64) in modes  # mla.py, mla_seesaw.py
     assert {(c[2].block_m, c[2].num_warps) for c in CASES if c[2].v_from_k} == {(64, 8), (64, 12), (16, 12)}
     assert {c[1].page_size for c in CASES} == {1, 8, 16, 64, 128}  # cp.async only, TMA boxes of 8 to 64
+    clusters = {(c[2].num_warps, c[1].kv_dtype) for c in CASES if c[2].v_from_k and c[2].num_splits == 2
+                and c[2].block_m == 64}  # the cluster merge (plan.mla_cluster_merge): seesaw, ring, float8 ring
+    assert clusters == {(8, torch.bfloat16), (12, torch.bfloat16), (12, F8)}, clusters
 
 
 @pytest.mark.parametrize("name,problem,plan,options", CASES, ids=[c[0] for c in CASES])
@@ -93,7 +99,8 @@ def test_kernel_compiles_for_sm90a(name, problem, plan, options, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["decode", "verify_fp8_features", "extend_sinks", "packed_kv_start", "mla_decode",
-                                  "mla_verify_one_split", "mla_decode_q_pe", "mla_decode_narrow_fp8"])
+                                  "mla_verify_one_split", "mla_decode_q_pe", "mla_decode_narrow_fp8",
+                                  "mla_decode_cluster", "mla_verify_seesaw_cluster"])
 def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     """`run` builds each launch by name from the kernel's `__call__` signature (`_abi`): every argument is
     there, in order, each scalar of its annotated type. The compiled kernel and the GPU are replaced by a
@@ -123,7 +130,7 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
 
     monkeypatch.setattr(cute, "_compiled", lambda key: checking(SplitKernel))
     monkeypatch.setattr(cute, "_compiled_extend", lambda key: checking(ExtendKernel))
-    monkeypatch.setattr(cute, "_compiled_mla", lambda key: checking(cute.mla_kernel_class(*key[-2:])))
+    monkeypatch.setattr(cute, "_compiled_mla", lambda key: checking(cute.mla_kernel_class(*key[-3:-1])))
     monkeypatch.setattr(cute, "_check_aligned", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: mock.MagicMock(cuda_stream=0))
@@ -146,15 +153,19 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
           "mla_decode": dict(mla, q_len=1, sinks=True, lens=[3000, 70]),
           "mla_verify_one_split": dict(mla, q_len=4, kv_start=True),
           "mla_decode_q_pe": dict(mla, q_len=1, split_q=True, lens=[3000, 70]),
-          "mla_decode_narrow_fp8": dict(mla, q_len=1, kv_dtype=F8, descale="b", lens=[3000, 70])}[case]
+          "mla_decode_narrow_fp8": dict(mla, q_len=1, kv_dtype=F8, descale="b", lens=[3000, 70]),
+          "mla_decode_cluster": dict(mla, q_len=1, sinks=True, lens=[3000, 70]),
+          "mla_verify_seesaw_cluster": dict(mla, q_len=4, kv_start=True, lens=[3000, 70])}[case]
     t = make_inputs(**{**dict(d=128, hq=8, hkv=2, page_size=16, lens=[100, 70]), **kw})
     problem = validate.check_paged_attention(
         t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"], kv_layout="NHD",
         causal=True, scale=None, window_left=-1, kv_start=t["kv_start"], sinks=t["sinks"], softcap=0.0,
         k_descale=t["k_descale"], v_descale=t["v_descale"], q_pe=t["q_pe"], out=None)
     problem = dataclasses.replace(problem, device_type="cuda", capability=(9, 0), sm_count=132)
-    tiles = {"mla_verify_one_split": dict(num_splits=1, block_n=64, num_stages=2, num_warps=8),  # the seesaw kernel
-             "mla_decode_narrow_fp8": mla_narrow_tile(problem)}.get(case, {})
+    seesaw = dict(block_n=64, num_stages=2, num_warps=8)
+    tiles = {"mla_verify_one_split": dict(seesaw, num_splits=1), "mla_decode_narrow_fp8": mla_narrow_tile(problem),
+             "mla_decode": dict(num_splits=16), "mla_decode_cluster": dict(num_splits=2), "mla_verify_seesaw_cluster": dict(seesaw, num_splits=2)
+             }.get(case, {})
     plan = family_plan(problem, "cute", **tiles)
     q = t["q"]
     kernels.run(kernels.Call(
@@ -164,6 +175,8 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
         plan=plan))
     expected = {"mla_decode": ["MlaSplitKernel", "merge"], "mla_verify_one_split": ["MlaSeesawKernel"],
                 "mla_decode_narrow_fp8": ["MlaNarrowKernel", "merge"],
-                "mla_decode_q_pe": ["MlaSplitKernel", "merge"]}.get(
+                "mla_decode_q_pe": ["MlaSplitKernel", "merge"], "mla_decode_cluster": ["MlaSplitKernel"],
+                "mla_verify_seesaw_cluster": ["MlaSeesawKernel"]}.get(
         case, ["ExtendKernel"] if plan.mode == "extend" else ["SplitKernel", "merge"])
     assert launched == expected
+    assert (plan.scratch_bytes == 0) == (launched[-1] != "merge"), plan  # a merge reads scratch, nothing else does

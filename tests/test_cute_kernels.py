@@ -637,10 +637,21 @@ def test_cute_mla_supports_and_plans():
         p = _problem(**{**mla, **kw})
         plan = family_plan(p, "cute")
         assert (plan.block_m, (plan.block_n, plan.num_stages, plan.num_warps)) == (64, tile), (kw, plan)
-        assert plan.scratch_bytes == split_scratch_bytes(p, plan.num_splits), plan
+        cluster = plan.num_splits == 2  # the splits merge in their cluster: no scratch
+        assert plan.scratch_bytes == (0 if cluster else split_scratch_bytes(p, plan.num_splits)), plan
         row_blocks = -(-(p.q_len * p.num_q_heads) // 64)
         assert p.batch * row_blocks * plan.num_splits <= 2 * 132 or plan.num_splits == 1, plan
     assert family_plan(_problem(**{**mla, "batch": 128, "max_pages": 32}), "cute").scratch_bytes == 0  # 1 split
+    # 2 splits of the 64-row kernels merge in their cluster (no scratch); more, or the narrow kernel's, in the
+    # Triton merge kernel, from scratch
+    p, p16 = _problem(**{**mla, "batch": 2}), _problem(**{**mla, "batch": 2, "num_q_heads": 16})
+    narrow = dict(block_m=16, block_n=64, num_stages=2, num_warps=12)
+    for prob, tiles, cluster in ((p, dict(num_splits=2), True), (p, dict(num_splits=3), False),
+                                 (p, dict(num_splits=8), False), (p, dict(num_splits=2, block_n=64, num_stages=2,
+                                                                          num_warps=8), True),
+                                 (p16, dict(narrow, num_splits=2), False)):
+        plan = family_plan(prob, "cute", **tiles)
+        assert plan.scratch_bytes == (0 if cluster else split_scratch_bytes(prob, plan.num_splits)), (tiles, plan)
     for page, tile in ((1, ring), (48, ring), (8, seesaw), (16, seesaw), (256, seesaw)):  # seesaw: 64-key boxes
         plan = family_plan(_problem(**{**mla, "batch": 32, "page_size": page, "max_pages": 4096 // page}), "cute")
         assert (plan.block_n, plan.num_stages, plan.num_warps) == tile, (page, plan)
@@ -721,11 +732,15 @@ MLA_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES
                                        dtype=torch.float16, descale="scalar", kv_start=True, nan_unused=True), {}),
 ]
 # the plan (kernels/cute/plan.py's mla_plan); one split (the kernel writes out and lse itself, sink folded in);
-# 3 splits (uneven ranges); each kernel asked for: the seesaw kernel (mla_seesaw.py, pages with 64-key TMA boxes
-# only), mla.py's ring of 32-key tiles, and the narrow kernel (mla_narrow.py, at most 16 query rows a request;
+# 2 splits (merged in their cluster: plan.mla_cluster_merge); 3 (uneven ranges; partials and the Triton merge
+# kernel), and 3 merged in a cluster (MLA_CLUSTER_SPLITS raised: `_cluster_merge` takes up to 8, the plan pairs
+# only); each kernel asked for: the seesaw kernel (mla_seesaw.py, pages with 64-key TMA boxes only; also with 2
+# splits), mla.py's ring of 32-key tiles, and the narrow kernel (mla_narrow.py, at most 16 query rows a request;
 # its stages follow the cache: `_mla_overrides`), with 3 splits and with one
-MLA_VARIANTS = {"plan": {}, "one_split": dict(num_splits=1), "splits3": dict(num_splits=3),
+MLA_VARIANTS = {"plan": {}, "one_split": dict(num_splits=1), "splits2": dict(num_splits=2),
+                "splits3": dict(num_splits=3), "cluster3": dict(num_splits=3),
                 "seesaw": dict(block_n=64, num_stages=2, num_warps=8),
+                "seesaw_splits2": dict(block_n=64, num_stages=2, num_warps=8, num_splits=2),
                 "ring32": dict(block_n=32, num_stages=4, num_warps=12, block_m=64),
                 "narrow": dict(block_m=16, num_splits=3), "narrow_one_split": dict(block_m=16, num_splits=1)}
 
@@ -748,12 +763,16 @@ def _mla_overrides(variant, kw):
 @needs_cute
 @pytest.mark.parametrize("variant", list(MLA_VARIANTS))
 @pytest.mark.parametrize("name,kw,options", MLA_CASES, ids=[c[0] for c in MLA_CASES])
-def test_gpu_cute_mla_matches_reference(name, kw, options, variant):
+def test_gpu_cute_mla_matches_reference(name, kw, options, variant, monkeypatch):
+    from b12x_inductor.kernels.cute import plan as cute_plan
     from b12x_inductor.kernels.cute import tma_box
 
-    if variant == "seesaw" and not tma_box(page=kw["page_size"], tile_n=64):
+    if variant == "cluster3":
+        monkeypatch.setattr(cute_plan, "MLA_CLUSTER_SPLITS", 8)
+
+    if variant.startswith("seesaw") and not tma_box(page=kw["page_size"], tile_n=64):
         pytest.skip("the seesaw kernel loads by TMA only (pages of 8 to 256 keys that divide 64 or that 64 divides)")
-    if variant == "seesaw" and kw.get("kv_dtype") == F8:
+    if variant.startswith("seesaw") and kw.get("kv_dtype") == F8:
         pytest.skip("a float8 cache runs on mla.py or mla_narrow.py")
     overrides = _mla_overrides(variant, kw)
     if overrides is None:
@@ -768,7 +787,8 @@ def test_gpu_cute_mla_matches_reference(name, kw, options, variant):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("variant", ["plan", "one_split", "seesaw", "narrow", "narrow_one_split"])
+@pytest.mark.parametrize("variant", ["plan", "one_split", "splits2", "seesaw", "seesaw_splits2", "narrow",
+                                     "narrow_one_split"])
 @pytest.mark.parametrize("q_len,heads,split_q,fp8", [(1, 128, False, False), (4, 16, False, False),
                                                     (1, 128, True, False), (4, 16, True, False), (1, 16, False, True),
                                                     (4, 128, True, True), (1, 16, True, False), (2, 8, True, True)],
@@ -778,7 +798,7 @@ def test_gpu_cute_mla_matches_reference(name, kw, options, variant):
 def test_gpu_cute_mla_cuda_graph_replay(q_len, heads, split_q, fp8, variant):
     """Capture once; poison the outputs, change lengths and page tables in place, replay, compare (split_q: the
     query as q and q_pe, read in place; fp8: a float8 cache with per-request descales)."""
-    if fp8 and variant == "seesaw":
+    if fp8 and variant.startswith("seesaw"):
         pytest.skip("a float8 cache runs on mla.py or mla_narrow.py")
     kw = dict(MLA, batch=3, q_len=q_len, hq=heads, page_size=64, lens=[500, 260, 70], spare_pages=4,
               split_q=split_q, **(dict(kv_dtype=F8, descale="b") if fp8 else {}))

@@ -251,7 +251,7 @@ bf16 packed D=64 T=4096      extend  cute   splits=1   m=128 n=128 warps=12 stag
 bf16 extend D=256            extend  cute   splits=1   m=128 n=48  warps=12 stages=3 scratch=0
 bf16 extend D=256 page 64    extend  cute   splits=1   m=128 n=32  warps=12 stages=4 scratch=0
 fp8 extend 1x16384           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0
-mla H128 decode 32x4096      decode  cute   splits=2   m=64  n=64  warps=8 stages=2 scratch=8421376 v_from_k
+mla H128 decode 32x4096      decode  cute   splits=2   m=64  n=64  warps=8 stages=2 scratch=0 v_from_k
 mla H128 decode 64x4096      decode  cute   splits=1   m=64  n=64  warps=8 stages=2 scratch=0 v_from_k
 mla H128 decode 1x32768      decode  cute   splits=64  m=64  n=32  warps=12 stages=4 scratch=8421376 v_from_k
 mla H16 decode 1x32768       decode  cute   splits=128 m=64  n=32  warps=12 stages=4 scratch=2105344 v_from_k

@@ -320,16 +320,17 @@ def mla_kernel_class(num_warps: int, block_m: int = MLA_BLOCK_M):
 @functools.cache
 def _compiled_mla(key):
     """The compiled MLA split kernel (mla.py, mla_seesaw.py or mla_narrow.py: `mla_kernel_class`) for one key
-    (s, hq, page, num_splits, block_n, stages, q dtype, causal, use_softcap, kv dtype, num_warps, block_m)."""
+    (s, hq, page, num_splits, block_n, stages, q dtype, causal, use_softcap, kv dtype, num_warps, block_m,
+    cluster: plan.mla_cluster_merge)."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import make_ptr
 
-    s, hq, page, splits, tile_n, stages, q_dtype, causal, use_softcap, kv_dtype, warps, block_m = key
+    s, hq, page, splits, tile_n, stages, q_dtype, causal, use_softcap, kv_dtype, warps, block_m, cluster = key
     qt, kt = _cutlass_dtype(q_dtype), _cutlass_dtype(kv_dtype)
     cls = mla_kernel_class(warps, block_m)
     kernel = cls(s=s, hq=hq, page=page, num_splits=splits, tile_n=tile_n, stages=stages, q_dtype=qt,
-                 causal=causal, use_softcap=use_softcap, kv_dtype=kt)
+                 causal=causal, use_softcap=use_softcap, kv_dtype=kt, cluster=cluster)
     gmem = cute.AddressSpace.gmem
 
     def ptr(dt, align=4):
@@ -345,7 +346,8 @@ def _compiled_mla(key):
 def _mla_key(shapes, plan: dict, options: dict) -> tuple:
     return (shapes["q_len"], shapes["hq"], shapes["page_size"], plan["num_splits"], plan["block_n"],
             plan["num_stages"], shapes["q_dtype"], bool(options["causal"]) and shapes["q_len"] > 1,
-            float(options["softcap"]) > 0, shapes["kv_dtype"], plan["num_warps"], plan["block_m"])
+            float(options["softcap"]) > 0, shapes["kv_dtype"], plan["num_warps"], plan["block_m"],
+            _plan.mla_cluster_merge(plan["num_splits"], plan["block_m"]))
 
 
 def _extend_key(shapes, plan: dict, options: dict) -> tuple:
@@ -505,9 +507,10 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
 
 
 def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
-    """The MLA split kernel (mla.py or mla_seesaw.py) writes each split's partials into `scratch` and the Triton
-    merge kernel combines them (with the sink) into `out` and `lse`; with one split the kernel writes `out` (rows
-    on 16 bytes: its stores are 16 bytes wide) and `lse`. V is read from K's tiles: v_cache must be k_cache's
+    """The MLA split kernel (mla.py, mla_seesaw.py or mla_narrow.py) writes each split's partials into `scratch`
+    and the Triton merge kernel combines them (with the sink) into `out` and `lse`; with one split, or splits
+    that merge in their cluster (plan.mla_cluster_merge), the kernel writes `out` (rows on 16 bytes: its stores
+    are 16 bytes wide) and `lse`. V is read from K's tiles: v_cache must be k_cache's
     first 512 columns (the same storage, offset and strides), which is checked here (fail closed)."""
     from cuda.bindings.driver import CUstream
     from cutlass import Float32, Int32, Int64
@@ -538,12 +541,12 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
     _check_aligned("q_pe", q_pe, MLA_D - MLA_DV)
     _check_aligned("k_cache", k_cache, MLA_D)
     splits = plan["num_splits"]
-    if splits == 1:
-        _check_aligned("out", out, MLA_DV)  # one split: the kernel writes out's rows in 16-byte stores
+    merged = splits == 1 or _plan.mla_cluster_merge(splits, plan["block_m"])  # the kernel writes out and lse
+    if merged:
+        _check_aligned("out", out, MLA_DV)  # the kernel writes out's rows in 16-byte stores
     shapes = dict(q_len=s, hq=hq, page_size=page, q_dtype=q.dtype, kv_dtype=k_cache.dtype)
     compiled = _compiled_mla(_mla_key(shapes, plan, options))
-    part_o, part_l = (split_partials(scratch, batch * s * hq * splits, MLA_DV, out.dtype) if splits > 1
-                      else (out, lse))
+    part_o, part_l = (out, lse) if merged else split_partials(scratch, batch * s * hq * splits, MLA_DV, out.dtype)
     kp, ko, _ = _cache_strides(k_cache.stride(), layout)
     kv_start, sinks = tensors["kv_start"], tensors["sinks"]
     softcap = float(options["softcap"])
@@ -565,7 +568,7 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
             has_sinks=Int32(sinks is not None), sm_scale=Float32(float(options["scale"])),
             softcap=Float32(softcap if softcap > 0 else 1.0), k_pages=Int32(k_cache.shape[0]),
             max_pages=Int32(pt.shape[1]), stream=stream)))
-        if splits > 1:
+        if not merged:
             grid, merge = triton_decode.merge_launch(batch * s * hq, hq, MLA_DV, splits)
             triton_decode.merge_kernel[grid](
                 part_o, part_l, sinks if sinks is not None else lse, out, lse, int(sinks is not None), **merge)
@@ -576,7 +579,8 @@ def precompile(problem, plan, options) -> None:
     if plan.family != "cute" or problem.device_type != "cuda":
         return
     compile_kernel(problem, plan, options)
-    if plan.mode != "extend" and (not plan.v_from_k or plan.num_splits > 1):
+    if plan.mode != "extend" and (not plan.v_from_k or not (
+            plan.num_splits == 1 or _plan.mla_cluster_merge(plan.num_splits, plan.block_m))):
         _precompile_merge(problem, plan.num_splits)
 
 

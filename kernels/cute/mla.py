@@ -47,7 +47,11 @@ through `sm90_utils.make_smem_layout_a/b`, the V and P views with the ring's sta
 
 With several splits every CTA writes its normalized partial output and log2-sum-exp in the layout of the Triton
 family's scratch ([rows, splits, 512] and [rows, splits]) and the Triton merge kernel combines the splits with
-the sink into `out` and `lse`; with one split the CTA writes `out` and `lse` itself (no scratch, no merge).
+the sink into `out` and `lse`; with one split the CTA writes `out` and `lse` itself (no scratch, no merge). Where
+the plan says so (plan.mla_cluster_merge: 2 splits) a row block's splits are one thread-block cluster: each CTA
+stages its normalized partial rows and their log2-sum-exp in its ring, and after a cluster barrier CTA k merges
+rows k, k + N, ... from every CTA's shared memory (distributed shared memory, `_cluster_merge`) into `out` and
+`lse`, the merge kernel's arithmetic on the same 16-bit partials; no scratch, no second launch.
 Either output leaves through the ring (from Q's tile on where the ring is smaller than the rows), free by then:
 each thread stores its scaled fragment pairs into rows of 512 values (16-byte chunks swizzled by row % 8), then
 every thread copies whole 16-byte chunks out, so each warp writes 512 contiguous bytes per instruction (`out`'s
@@ -57,6 +61,8 @@ The split's key range is computed on the device from the live length (clamped: `
 """
 
 from __future__ import annotations
+
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -69,11 +75,11 @@ from b12x_inductor.kernels.cute import MLA_BLOCK_M as BLOCK_M
 from b12x_inductor.kernels.cute import MLA_D as D
 from b12x_inductor.kernels.cute import MLA_DV as DV
 from b12x_inductor.kernels.cute import mla_geometry, tma, tma_box
-from b12x_inductor.kernels.cute.common import (NEG_BIG, PageRow, empty_barrier, full_barrier,
+from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
                                                live_range, output_factor, release_phase, scales, split_keys,
                                                stage_phase)
 from b12x_inductor.kernels.cute.plan import MLA_FP8_LAG as FP8_LAG  # float8 tiles loaded ahead of the one widened
-from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, pack2
+from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, ld_dsmem_f32, ld_dsmem_v4, pack2
 from b12x_inductor.kernels.cute.softmax import online_softmax
 
 THREADS = 384  # producer warpgroup + two consumer warpgroups
@@ -102,8 +108,10 @@ class MlaSplitKernel:
     that kernel's `threads`."""
 
     def __init__(self, *, s: int, hq: int, page: int, num_splits: int, tile_n: int, stages: int, q_dtype,
-                 causal: bool, use_softcap: bool, kv_dtype=None):
+                 causal: bool, use_softcap: bool, kv_dtype=None, cluster: bool = False):
         self.s, self.hq, self.page, self.num_splits = s, hq, page, num_splits
+        self.cluster = cluster  # the splits of a row block are one cluster and merge there (_cluster_merge)
+        assert not cluster or 2 <= num_splits <= 8, "a cluster merges 2 to 8 splits (a portable cluster size)"
         self.tile_n, self.stages, self.dtype = tile_n, stages, q_dtype
         self.causal, self.use_softcap = causal, use_softcap
         self.fp8 = kv_dtype is not None and kv_dtype.width == 8
@@ -138,7 +146,8 @@ class MlaSplitKernel:
             lse_ptr, kds_ptr, vds_ptr, q_sb, q_ss, q_sh, pe_sb, pe_ss, pe_sh, k_sp, k_so, pt_sb, kds_b, vds_b,
             has_kds, has_vds, has_kv_start, has_sinks, sm_scale, softcap, max_pages * self.page, k_pages, tma_k, m_k,
         ).launch(grid=(self.num_splits, self.row_blocks, batch), block=(self.threads, 1, 1), smem=self.smem_bytes,
-                 stream=stream, min_blocks_per_mp=1)
+                 cluster=(self.num_splits, 1, 1) if const_expr(self.cluster) else None, stream=stream,
+                 min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(
@@ -185,6 +194,10 @@ class MlaSplitKernel:
             else:
                 self._produce(tidx, b, s_lo, start, length, n_tiles, k_ptr, pt_ptr, k_sp, k_so, pt_sb, num_pages,
                               ring, mbar, tma_k, m_k)
+            if const_expr(self.cluster):  # the consumers' two cluster barriers (_cluster_merge)
+                for _ in cutlass.range_constexpr(2):
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
         else:
             cute.arch.setmaxregister_increase(self.regs[1])
             ctid = tidx - 128
@@ -338,14 +351,17 @@ class MlaSplitKernel:
         ODT = self.dtype  # out's 16-bit type, also the partials' (split_partials)
         EPC = const_expr(128 // ODT.width)  # elements per 16-byte chunk: 8
         CPR = const_expr(DV // EPC)  # chunks per row
-        if const_expr(self.stages * self.tile_n * D * 2 < BLOCK_M * DV * ODT.width // 8):
+        # the cluster merge keeps the rows' log2-sum-exp and its weights (BLOCK_M x (1 + splits) fp32) after them
+        staged = BLOCK_M * DV * ODT.width // 8 + (4 * BLOCK_M * (1 + self.num_splits) if self.cluster else 0)
+        if const_expr(self.stages * self.tile_n * D * 2 < staged):
             # the rows go out through the ring, which holds them in every geometry mla_geometry admits (2 stages
-            # of 32 keys: 72 KB; the rows: 64 KB)
+            # of 32 keys: 72 KB; the rows: 64 KB, and 2.25 KB at most for the cluster merge)
             raise ValueError(f"MLA epilogue: a ring of {self.stages} x {self.tile_n} keys cannot stage the rows")
         ring = cute.recast_ptr(storage.kv.data_ptr(), dtype=ODT)
         s_o = cute.make_tensor(ring, cute.make_layout((BLOCK_M, CPR, EPC), stride=(DV, EPC, 1)))
         s_w = cute.make_tensor(cute.recast_ptr(ring, dtype=Uint32),  # the same rows as pairs of 16-bit values
                                cute.make_layout((BLOCK_M, CPR, EPC // 2), stride=(DV // 2, EPC // 2, 1)))
+        s_lse = cute.make_tensor(cute.recast_ptr(ring + BLOCK_M * DV, dtype=Float32), cute.make_layout((BLOCK_M,)))
         for rh in cutlass.range_constexpr(2):
             row = t_co[2 * rh][0]
             r = rb * BLOCK_M + row
@@ -357,7 +373,10 @@ class MlaSplitKernel:
                     ch = (col // EPC) ^ (row % 8)
                     s_w[row, ch, (col % EPC) // 2] = pack2(acc_o[e] * f, acc_o[e + 1] * f,
                                                             bf16=self.dtype == cutlass.BFloat16)
-            if r < self.rows:
+            if const_expr(self.cluster):
+                if (wgc == 0) & (lt % 4 == 0):
+                    s_lse[row] = lse
+            elif r < self.rows:
                 part = Int64(b) * self.rows + Int64(r)
                 if const_expr(not ONE):
                     part = part * self.num_splits + Int64(split)
@@ -365,6 +384,9 @@ class MlaSplitKernel:
                     lses[part] = lse
         cute.arch.barrier(barrier_id=SUM_BAR, number_of_threads=256)
         ctid = wgc * 128 + lt
+        if const_expr(self.cluster):
+            self._cluster_merge(ring, s_lse, b, rb, split, ctid, sinks_ptr, has_sinks, out_ptr, lse_ptr)
+            return
         o_base = part_o_ptr.toint()
         if const_expr(ONE):
             o_base = out_ptr.toint()
@@ -383,6 +405,80 @@ class MlaSplitKernel:
                 dst = cute.make_tensor(cute.make_ptr(ODT, addr, cute.AddressSpace.gmem, assumed_align=16),
                                        cute.make_layout((EPC,)))
                 cute.autovec_copy(chunk, dst)
+
+    @cute.jit
+    def _cluster_merge(self, ring: cute.Pointer, s_lse: cute.Tensor, b: Int32, rb: Int32, rank: Int32, ctid: Int32,
+                       sinks_ptr: cute.Pointer, has_sinks: Int32, out_ptr: cute.Pointer, lse_ptr: cute.Pointer):
+        """The splits of one row block are one cluster (rank = split): each CTA's normalized partial rows (out's
+        16-bit type, swizzled as the epilogue staged them in the ring) and their log2-sum-exp (`s_lse`, after
+        them) are read by the other CTAs through distributed shared memory. CTA `rank` merges rows rank,
+        rank + N, ... as the Triton merge kernel does (weights exp2(lse_s - m) over their sum plus the sink's
+        exp2(sink - m); zeros and -inf for a row no split saw) into `out` and `lse`. A cluster barrier before
+        (every partial in place) and one after (no CTA leaves while another reads its shared memory)."""
+        N = const_expr(self.num_splits)
+        ODT = self.dtype
+        EPC = const_expr(128 // ODT.width)
+        CPR = const_expr(DV // EPC)
+        OWNED = const_expr(-(-BLOCK_M // N))  # rows of the block a CTA merges, at most
+        s_w = cute.make_tensor(cute.recast_ptr(ring + BLOCK_M * DV + 2 * BLOCK_M, dtype=Float32),
+                               cute.make_layout((N, BLOCK_M), stride=(BLOCK_M, 1)))
+        lses = cute.make_tensor(lse_ptr, cute.make_layout((1 << 40,)))
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if ctid < BLOCK_M:
+            row = ctid
+            if row % N == rank:
+                r = rb * BLOCK_M + row
+                ls = cute.make_rmem_tensor((N,), Float32)
+                m = Float32(-math.inf)
+                for s in cutlass.range_constexpr(N):
+                    ls[s] = ld_dsmem_f32(Uint32(s_lse.iterator.toint()) + Uint32(row * 4), Int32(s))
+                    m = cutlass.max(m, ls[s])
+                seen = m > Float32(-math.inf)
+                sink = Float32(NEG_BIG)
+                if has_sinks != 0:
+                    sinks = cute.make_tensor(sinks_ptr, cute.make_layout((1 << 30,)))
+                    sink = Float32(sinks[r % self.hq]) * Float32(LOG2E)
+                if not seen:
+                    m = Float32(0.0)
+                m = cutlass.max(m, sink)
+                denom = cute.arch.exp2(sink - m)
+                for s in cutlass.range_constexpr(N):
+                    ls[s] = cute.arch.exp2(ls[s] - m)  # 0 for a split that saw no key (its partial is zeros)
+                    denom = denom + ls[s]
+                lse = Float32(-math.inf)
+                inv = Float32(0.0)
+                if seen:
+                    inv = Float32(1.0) / denom
+                    lse = (m + cute.math.log2(denom)) * Float32(LN2)
+                for s in cutlass.range_constexpr(N):
+                    s_w[s, row] = ls[s] * inv
+                if r < self.rows:
+                    lses[Int64(b) * self.rows + Int64(r)] = lse
+        cute.arch.barrier(barrier_id=SUM_BAR, number_of_threads=256)
+        src_w = cute.make_rmem_tensor((4,), Uint32)  # 16 bytes of a peer's row: EPC values of out's type
+        src = cute.make_tensor(cute.recast_ptr(src_w.iterator, dtype=ODT), cute.make_layout((EPC,)))
+        acc = cute.make_rmem_tensor((EPC,), Float32)
+        chunk = cute.make_rmem_tensor((EPC,), ODT)
+        for i in cutlass.range_constexpr(-(-OWNED * CPR // 256)):
+            e = ctid + i * 256
+            row = rank + N * (e // CPR)
+            ch = e % CPR
+            r = rb * BLOCK_M + row
+            if (row < BLOCK_M) & (r < self.rows):
+                acc.fill(0.0)
+                at = Uint32(ring.toint()) + Uint32((row * DV + (ch ^ (row % 8)) * EPC) * (ODT.width // 8))
+                for s in cutlass.range_constexpr(N):
+                    words = ld_dsmem_v4(at, Int32(s))
+                    for w in cutlass.range_constexpr(4):
+                        src_w[w] = words[w]
+                    acc.store(acc.load() + src.load().to(Float32) * s_w[s, row])
+                chunk.store(acc.load().to(ODT))
+                addr = out_ptr.toint() + ((Int64(b) * self.rows + Int64(r)) * DV + ch * EPC) * (ODT.width // 8)
+                cute.autovec_copy(chunk, cute.make_tensor(cute.make_ptr(ODT, addr, cute.AddressSpace.gmem,
+                                                                        assumed_align=16), cute.make_layout((EPC,))))
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
 
     @cute.jit
     def _load_q(self, q: dict, b: Int32, rb: Int32, ctid: Int32, q_tile: cute.Pointer):

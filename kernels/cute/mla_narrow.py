@@ -80,11 +80,13 @@ class MlaNarrowKernel(MlaSplitKernel):
     producer and its float8 page-id reads."""
 
     def __init__(self, *, s: int, hq: int, page: int, num_splits: int, tile_n: int, stages: int, q_dtype,
-                 causal: bool, use_softcap: bool, kv_dtype=None):
+                 causal: bool, use_softcap: bool, kv_dtype=None, cluster: bool = False):
         from b12x_inductor.kernels.cute import mla_narrow_geometry, tma_box
 
         assert tile_n == TILE_N and s * hq <= ROWS, (tile_n, s, hq)
+        assert not cluster, "the narrow kernel's splits merge in the Triton merge kernel"
         self.s, self.hq, self.page, self.num_splits = s, hq, page, num_splits
+        self.cluster = False
         self.tile_n, self.stages, self.dtype = tile_n, stages, q_dtype
         self.causal, self.use_softcap = causal, use_softcap
         self.fp8 = kv_dtype is not None and kv_dtype.width == 8

@@ -73,12 +73,14 @@ class MlaSeesawKernel(MlaSplitKernel):
     (plan.MLA_SEESAW_TILE; kernels/cute/__init__.py: mla_seesaw_geometry)."""
 
     def __init__(self, *, s: int, hq: int, page: int, num_splits: int, tile_n: int, stages: int, q_dtype,
-                 causal: bool, use_softcap: bool, kv_dtype=None):
+                 causal: bool, use_softcap: bool, kv_dtype=None, cluster: bool = False):
         from b12x_inductor.kernels.cute import mla_seesaw_geometry
 
         assert (tile_n, stages) == (TILE_N, 2), "the seesaw kernel's tile is 2 buffers of 64 keys"
         assert kv_dtype is None or kv_dtype is q_dtype, "the seesaw kernel reads a 16-bit cache in q's dtype"
         self.s, self.hq, self.page, self.num_splits = s, hq, page, num_splits
+        self.cluster = cluster  # mla.py's _cluster_merge
+        assert not cluster or 2 <= num_splits <= 8, "a cluster merges 2 to 8 splits (a portable cluster size)"
         self.tile_n, self.stages, self.dtype = TILE_N, 2, q_dtype
         self.fp8, self.mdt = False, q_dtype
         self.causal, self.use_softcap = causal, use_softcap

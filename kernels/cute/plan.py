@@ -11,10 +11,13 @@ decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per 
 rows or more per request with long splits (mla_plan), else mla.py (4 stages of 32 keys); a float8 latent cache
 on mla.py, or on the narrow kernel (mla_narrow.py, block_m 16: products transposed, 5 stages of 64 keys) where a
 request has at most 16 query rows. The choices and the measurements behind them: benchmarks/results/h200.md,
-"CuTe DSL kernels", "Session 27", "Session 29", "Session 33", "Session 34", "Session 36", "Session 38" and "Session 55".
+"CuTe DSL kernels", "Session 27", "Session 29", "Session 33", "Session 34", "Session 36", "Session 38", "Session 55"
+and "Session 56".
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from b12x_inductor.kernels.triton.plan import num_splits as triton_num_splits
 from b12x_inductor.plan import FP8, Plan, Problem, split_scratch_bytes, with_tiles
@@ -44,6 +47,11 @@ MLA_FP8_LAG = 2  # mla.py, float8 cache: tiles in flight while a third is widene
 # rows or 5 of float8 ones (what shared memory holds beside Q and P)
 MLA_NARROW_TILE = dict(block_m=16, block_n=64, num_stages=2, num_warps=12)
 MLA_NARROW_FP8_STAGES = 5
+# mla.py and mla_seesaw.py: 2 to MLA_CLUSTER_SPLITS splits of a row block run as one thread-block cluster and
+# merge there through distributed shared memory (no scratch, no merge kernel): mla_cluster_merge. The kernels
+# merge clusters of up to 8; the plan takes pairs only (h200.md, "Session 56": 2 splits 1.02-1.07x the merge
+# kernel, 4 splits 0.69-0.70x, the clusters of four CTAs of a whole SM each not fitting the GPCs in one wave)
+MLA_CLUSTER_SPLITS = 2
 
 
 def plan(problem: Problem, **tiles) -> Plan:
@@ -55,6 +63,8 @@ def plan(problem: Problem, **tiles) -> Plan:
         raise ValueError("paged_attention: the cute family's MLA kernel reads V from K's tiles, its other kernels "
                          f"load V themselves; v_from_k={tiles['v_from_k']} is the Triton family's")
     out = with_tiles(problem, _plan(problem), tiles, always_split=not mla)
+    if mla and mla_cluster_merge(out.num_splits, out.block_m):
+        out = dataclasses.replace(out, scratch_bytes=0)
     if problem.mode == "extend":
         if EXTEND_ROWS.get(out.block_m) != out.num_warps or not extend_rows_fit(out.block_m, problem.head_dim):
             raise ValueError("paged_attention: the cute family's extend kernel takes (block_m, num_warps) among "
@@ -166,8 +176,19 @@ def mla_plan(problem: Problem) -> Plan:
     tile = MLA_SEESAW_TILE if seesaw else MLA_TILE
     if problem.kv_dtype == FP8 and rows <= MLA_NARROW_TILE["block_m"]:
         tile = mla_narrow_tile(problem)
+    scratch = 0 if mla_cluster_merge(splits, tile["block_m"]) else split_scratch_bytes(problem, splits)
     return Plan(mode=problem.mode, family="cute", num_splits=splits, **tile, v_from_k=True,
-                scratch_bytes=split_scratch_bytes(problem, splits))  # one split writes out itself
+                scratch_bytes=scratch)  # one split, or a cluster of splits, writes out itself
+
+
+def mla_cluster_merge(num_splits: int, block_m: int) -> bool:
+    """Whether an MLA plan's splits merge inside the split kernel: the 64-row kernels (mla.py, mla_seesaw.py)
+    with 2 to MLA_CLUSTER_SPLITS splits launch each row block's splits as one cluster, and its CTAs merge the
+    partials through distributed shared memory into out and lse (mla.py, `_cluster_merge`); the plan then has
+    no scratch. More splits, and the narrow kernel, write partials for the Triton merge kernel. Measured on an
+    H100 against the merge kernel: MLA H128 32x4096 (seesaw, 2 splits) 1.07x, H16 64x4096 (mla.py, 2) 1.02x;
+    H16 32x4096 (mla.py, 4) 0.70x."""
+    return 2 <= num_splits <= MLA_CLUSTER_SPLITS and block_m == MLA_TILE["block_m"]
 
 
 def measured_faster(problem: Problem) -> bool:

@@ -6,6 +6,8 @@ bindings (`cutlass._mlir`). Each helper is a `dsl_user_op` that emits one instru
 - `e4m3x2_to_f16x2`: cvt.rn.f16x2.e4m3x2 (two float8_e4m3 into two fp16, sm89+)
 - `e4m3x4_to_f16x4`: the same for the two halves of a 32-bit word (a mov and two cvt)
 - `prmt`: prmt.b32 (four bytes picked from two words)
+- `ld_dsmem_f32`, `ld_dsmem_v4`: mapa.shared::cluster then ld.shared::cluster (a cluster peer's shared memory at
+  this CTA's address of the same object; the DSL's distributed-shared-memory tensors take no loads)
 """
 
 from __future__ import annotations
@@ -71,3 +73,26 @@ def prmt(a, b, sel: int, *, loc=None, ip=None):
         T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
         f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_dsmem_f32(addr, rank, *, loc=None, ip=None):
+    """The fp32 at shared-memory address `addr` (this CTA's 32-bit address of it) in cluster CTA `rank`. Volatile:
+    it stays after the cluster barrier that orders it."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Uint32(addr).ir_value(loc=loc, ip=ip), Uint32(rank).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 a;\nmapa.shared::cluster.u32 a, $1, $2;\nld.shared::cluster.f32 $0, [a];\n}", "=f,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_dsmem_v4(addr, rank, *, loc=None, ip=None):
+    """The 16 bytes at shared-memory address `addr` (16-byte aligned; this CTA's 32-bit address) in cluster CTA
+    `rank`, as four 32-bit words. Volatile, as ld_dsmem_f32."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Uint32(addr).ir_value(loc=loc, ip=ip), Uint32(rank).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 a;\nmapa.shared::cluster.u32 a, $4, $5;\nld.shared::cluster.v4.b32 {$0, $1, $2, $3}, [a];\n}",
+        "=r,=r,=r,=r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc,
+        ip=ip)
+    return [Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
