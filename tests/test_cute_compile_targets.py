@@ -52,10 +52,10 @@ def _cases():
                      dict(block_m=192, num_warps=16)))
     mla = dict(num_q_heads=128, num_kv_heads=1, head_dim=576, v_head_dim=512, v_in_k=True)
     seesaw = dict(block_n=64, num_stages=2, num_warps=8)  # mla_seesaw.py where the plan is mla.py
+    # the last two: 2 splits, merged in their cluster (plan.mla_cluster_merge), as the third float8 one below
     for q_len, heads, page, tiles in ((1, 128, 64, {}), (1, 16, 1, {}), (4, 16, 16, seesaw),
                                       (2, 128, 128, dict(seesaw, num_splits=1)), (4, 16, 8, {}),
                                       (1, 128, 64, dict(seesaw, num_splits=2)), (1, 16, 16, dict(num_splits=2))):
-        # the last two: 2 splits, merged in their cluster
         grid.append((dict(mla, q_len=q_len, num_q_heads=heads, page_size=page), tiles))  # mla(_seesaw).py
     for q_len, heads, page, q_dtype, tiles in ((1, 16, 64, torch.bfloat16, {}), (4, 128, 1, torch.float16, {}),
                                                (2, 128, 64, torch.bfloat16, dict(num_splits=2))):
@@ -164,7 +164,8 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     problem = dataclasses.replace(problem, device_type="cuda", capability=(9, 0), sm_count=132)
     seesaw = dict(block_n=64, num_stages=2, num_warps=8)
     tiles = {"mla_verify_one_split": dict(seesaw, num_splits=1), "mla_decode_narrow_fp8": mla_narrow_tile(problem),
-             "mla_decode": dict(num_splits=16), "mla_decode_cluster": dict(num_splits=2), "mla_verify_seesaw_cluster": dict(seesaw, num_splits=2)
+             "mla_decode": dict(num_splits=16),  # past a cluster pair: partials and the merge kernel
+             "mla_decode_cluster": dict(num_splits=2), "mla_verify_seesaw_cluster": dict(seesaw, num_splits=2)
              }.get(case, {})
     plan = family_plan(problem, "cute", **tiles)
     q = t["q"]

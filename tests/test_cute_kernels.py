@@ -769,7 +769,6 @@ def test_gpu_cute_mla_matches_reference(name, kw, options, variant, monkeypatch)
 
     if variant == "cluster3":
         monkeypatch.setattr(cute_plan, "MLA_CLUSTER_SPLITS", 8)
-
     if variant.startswith("seesaw") and not tma_box(page=kw["page_size"], tile_n=64):
         pytest.skip("the seesaw kernel loads by TMA only (pages of 8 to 256 keys that divide 64 or that 64 divides)")
     if variant.startswith("seesaw") and kw.get("kv_dtype") == F8:
