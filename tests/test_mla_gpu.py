@@ -270,18 +270,18 @@ def _decode_step(cache: torch.Tensor):
 
 
 def run_decode_loop(heads: int, page_size: int, kv_dtype, device: torch.device, compile_kwargs: dict, *,
-                    steps: int = 6, seed: int = 0) -> dict:
+                    steps: int = 6, seed: int = 0, capacity: int = 192) -> dict:
     """The compile test's body: 3 requests and a padding row (slot -1, length 0) decode `steps` tokens through
     `torch.compile(_decode_step(latent), fullgraph=True, **compile_kwargs)` under error_on_recompile; the same
     steps run eagerly over a copy of the cache. Before step 3 row 1 takes a new request (a shorter length, its
     pages in reverse order, fresh latents). Every slot not holding a token is NaN before each step (the new
     tokens' slots too: a read before the write would show). Each step: compiled out and lse equal eager's and
     the reference's (check_close), the two caches equal bit for bit. Returns the counters' inductor and stats
-    dicts and the lengths of each step."""
+    dicts and the lengths of each step. `capacity`: the keys a request's page-table row holds."""
     from torch._dynamo.utils import counters
 
     gen = torch.Generator().manual_seed(seed)
-    batch, requests, capacity = 4, 3, 192
+    batch, requests = 4, 3
     max_pages = capacity // page_size
     num_pages = batch * max_pages + 3
     table = torch.randperm(num_pages, generator=gen)[: batch * max_pages].reshape(batch, max_pages)
@@ -355,6 +355,32 @@ def run_decode_loop(heads: int, page_size: int, kv_dtype, device: torch.device, 
 def test_gpu_mla_compile_reduce_overhead_no_skip_no_recompile(case):
     _, heads, page_size, kv_dtype = case
     result = run_decode_loop(heads, page_size, kv_dtype, CUDA, dict(mode="reduce-overhead"))
+    assert not result["inductor"].get("cudagraph_skips"), result["inductor"]
+    assert result["stats"].get("unique_graphs") == 1, result["stats"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_mla_compile_reduce_overhead_cluster_pair():
+    """The decode loop where the plan splits each row block's keys in two (128 heads, rows of 512 keys): with the
+    CuTe family, a cluster pair that merges in shared memory (plan.mla_cluster_merge: no scratch, no merge
+    kernel); no cudagraph skip, one graph."""
+    from b12x_inductor import validate
+    from b12x_inductor.plan import select_plan
+
+    heads, page_size, capacity = 128, 64, 512
+    q = torch.zeros(4, 1, heads, RANK + ROPE, dtype=BF16, device=CUDA)
+    k = torch.zeros(4 * capacity // page_size + 3, page_size, 1, RANK + ROPE, dtype=BF16, device=CUDA)
+    problem = validate.check_paged_attention(
+        q[..., :RANK], k, k[..., :RANK], torch.zeros(4, capacity // page_size, dtype=torch.int32, device=CUDA),
+        torch.zeros(4, dtype=torch.int32, device=CUDA), None, kv_layout="NHD", causal=True, scale=SCALE,
+        window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=None, v_descale=None, key_mask=None,
+        q_pe=q[..., RANK:], out=None)
+    plan = select_plan(problem)
+    assert plan.num_splits == 2, plan
+    if plan.family == "cute":
+        assert plan.scratch_bytes == 0, plan
+    result = run_decode_loop(heads, page_size, BF16, CUDA, dict(mode="reduce-overhead"), capacity=capacity)
     assert not result["inductor"].get("cudagraph_skips"), result["inductor"]
     assert result["stats"].get("unique_graphs") == 1, result["stats"]
 
