@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.helpers import replay_with_new_lengths, run_family
-from tests.test_triton_kernels import F8, check_close, make_inputs
+from tests.test_triton_kernels import F8, check_close, check_compiled_steps, make_inputs
 from tests.test_triton_kernels import GPU_CASES as TRITON_GPU_CASES
 
 BASE = dict(batch=8, q_len=1, packed=False, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
@@ -296,7 +296,6 @@ def test_gpu_cute_cuda_graph_replay(q_len, kv_dtype, variant):
 def test_gpu_cute_compile_reduce_overhead_no_skip_no_recompile(monkeypatch, variant):
     """With select_plan picking the CuTe family: compiled decode over changing lengths, no recompile, no skip."""
     import torch._dynamo
-    from torch._dynamo.utils import counters
 
     import b12x_inductor as b12x
     from b12x_inductor import ops, validate
@@ -312,21 +311,13 @@ def test_gpu_cute_compile_reduce_overhead_no_skip_no_recompile(monkeypatch, vari
         out, lse = b12x.paged_attention(q, k, v, pt, lens, k_descale=kds, v_descale=vds, return_lse=True)
         return out * 2.0, lse
 
-    torch._dynamo.reset()
-    counters.clear()
     try:
-        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
         gen = torch.Generator().manual_seed(5)
         cap = t["page_table"].shape[1] * 16
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for i in range(5):
-                t["cache_seqlens"].copy_(torch.randint(1, cap + 1, (4,), generator=gen).int())
-                out, lse = compiled(t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"],
-                                    t["k_descale"], t["v_descale"])
-                torch.cuda.synchronize()
-                ref_out, ref_lse = _reference(t, dict(kv_layout="NHD"))
-                check_close(out / 2.0, lse, ref_out, ref_lse, what=f"compiled step {i}")
-        assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+        check_compiled_steps(
+            step, t, ("q", "k_cache", "v_cache", "page_table", "cache_seqlens", "k_descale", "v_descale"),
+            lambda i: t["cache_seqlens"].copy_(torch.randint(1, cap + 1, (4,), generator=gen).int()),
+            lambda: _reference(t, dict(kv_layout="NHD")), steps=5, what="compiled")
         problem = validate.check_paged_attention(
             t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], None, kv_layout="NHD",
             causal=True, scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0,
@@ -512,7 +503,6 @@ def test_gpu_cute_extend_192_rows_compile_reduce_overhead_no_skip_no_recompile(m
     """With select_plan picking the CuTe family for extend: compiled 4D prefill at D 64 (the 192-row plan) over
     changing lengths and page tables, no recompile, no cudagraph skip."""
     import torch._dynamo
-    from torch._dynamo.utils import counters
 
     import b12x_inductor as b12x
     from b12x_inductor import ops, validate
@@ -527,22 +517,17 @@ def test_gpu_cute_extend_192_rows_compile_reduce_overhead_no_skip_no_recompile(m
         out, lse = b12x.paged_attention(q, k, v, pt, lens, return_lse=True)
         return out * 2.0, lse
 
-    torch._dynamo.reset()
-    counters.clear()
     try:
-        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
         gen = torch.Generator().manual_seed(6)
         cap = t["page_table"].shape[1] * 16
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for i in range(3):
-                t["cache_seqlens"].copy_(torch.randint(2048, cap + 1, (2,), generator=gen).int())
-                perm = torch.randperm(t["k_cache"].shape[0], generator=gen)[: t["page_table"].numel()]
-                t["page_table"].copy_(perm.reshape(t["page_table"].shape).int())
-                out, lse = compiled(t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"])
-                torch.cuda.synchronize()
-                ref_out, ref_lse = _reference(t, dict(kv_layout="NHD"))
-                check_close(out / 2.0, lse, ref_out, ref_lse, what=f"compiled 192-row extend step {i}")
-        assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+
+        def change(i):
+            t["cache_seqlens"].copy_(torch.randint(2048, cap + 1, (2,), generator=gen).int())
+            perm = torch.randperm(t["k_cache"].shape[0], generator=gen)[: t["page_table"].numel()]
+            t["page_table"].copy_(perm.reshape(t["page_table"].shape).int())
+
+        check_compiled_steps(step, t, ("q", "k_cache", "v_cache", "page_table", "cache_seqlens"), change,
+                             lambda: _reference(t, dict(kv_layout="NHD")), steps=3, what="compiled 192-row extend")
         problem = validate.check_paged_attention(
             t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], None, kv_layout="NHD",
             causal=True, scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0, k_descale=None,
@@ -559,7 +544,6 @@ def test_gpu_cute_extend_compile_reduce_overhead_no_skip_no_recompile(monkeypatc
     """With select_plan picking the CuTe family for extend: compiled packed prefill over changing new-token
     counts and lengths, no recompile, no cudagraph skip."""
     import torch._dynamo
-    from torch._dynamo.utils import counters
 
     import b12x_inductor as b12x
     from b12x_inductor import ops, validate
@@ -574,25 +558,19 @@ def test_gpu_cute_extend_compile_reduce_overhead_no_skip_no_recompile(monkeypatc
         out, lse = b12x.paged_attention(q, k, v, pt, lens, cu, return_lse=True)
         return out * 2.0, lse
 
-    torch._dynamo.reset()
-    counters.clear()
     try:
-        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
         gen = torch.Generator().manual_seed(6)
         cap = t["page_table"].shape[1] * 16
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for i in range(4):
-                new = torch.randint(0, 150, (2,), generator=gen)
-                cu = torch.zeros(3, dtype=torch.int32)
-                cu[1:] = torch.cumsum(new, 0)
-                t["cu_seqlens_q"].copy_(cu)
-                t["cache_seqlens"].copy_((new + torch.randint(0, cap - 150, (2,), generator=gen)).int())
-                out, lse = compiled(t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"],
-                                    t["cu_seqlens_q"])
-                torch.cuda.synchronize()
-                ref_out, ref_lse = _reference(t, dict(kv_layout="NHD"))
-                check_close(out / 2.0, lse, ref_out, ref_lse, what=f"compiled extend step {i}")
-        assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+
+        def change(i):
+            new = torch.randint(0, 150, (2,), generator=gen)
+            cu = torch.zeros(3, dtype=torch.int32)
+            cu[1:] = torch.cumsum(new, 0)
+            t["cu_seqlens_q"].copy_(cu)
+            t["cache_seqlens"].copy_((new + torch.randint(0, cap - 150, (2,), generator=gen)).int())
+
+        check_compiled_steps(step, t, ("q", "k_cache", "v_cache", "page_table", "cache_seqlens", "cu_seqlens_q"),
+                             change, lambda: _reference(t, dict(kv_layout="NHD")), steps=4, what="compiled extend")
         problem = validate.check_paged_attention(
             t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"],
             kv_layout="NHD", causal=True, scale=None, window_left=-1, kv_start=None, sinks=None, softcap=0.0,

@@ -122,6 +122,25 @@ def check_close(out, lse, ref_out, ref_lse, *, what=""):
         assert lerr <= 2e-3 + 1e-3 * float(ref_lse[~ref_inf].abs().max()), f"{what}: lse max error {lerr:.3g}"
 
 
+def check_compiled_steps(step, t, names, change, reference, *, steps, what):
+    """`step` (returning out * 2 and lse) under torch.compile(mode="reduce-overhead", fullgraph=True), called
+    `steps` times on t's tensors `names` under error_on_recompile; before call i, change(i) changes them in place
+    (lengths, page tables, new-token counts); after it, out / 2 and lse against reference(). No cudagraph skip."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(steps):
+            change(i)
+            out, lse = compiled(*(t[n] for n in names))
+            torch.cuda.synchronize()
+            check_close(out / 2.0, lse, *reference(), what=f"{what} step {i}")
+    assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # CPU: the kernels under the Triton interpreter
 
@@ -629,9 +648,6 @@ def test_gpu_cuda_graph_replay(mode):
 
 @pytest.mark.gpu
 def test_gpu_compile_reduce_overhead_no_skip_no_recompile():
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
     import b12x_inductor as b12x
 
     t = make_inputs(batch=4, hq=32, hkv=8, d=128, page_size=16, lens=[300, 200, 100, 50], spare_pages=8,
@@ -641,19 +657,12 @@ def test_gpu_compile_reduce_overhead_no_skip_no_recompile():
         out, lse = b12x.paged_attention(q, k, v, pt, lens, return_lse=True)
         return out * 2.0, lse
 
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
     gen = torch.Generator().manual_seed(5)
     cap = t["page_table"].shape[1] * 16
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for i in range(5):
-            t["cache_seqlens"].copy_(torch.randint(1, cap + 1, (4,), generator=gen).int())
-            out, lse = compiled(t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"])
-            torch.cuda.synchronize()
-            ref_out, ref_lse = _reference(t, dict(kv_layout="NHD"))
-            check_close(out / 2.0, lse, ref_out, ref_lse, what=f"compiled step {i}")
-    assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+    check_compiled_steps(
+        step, t, ("q", "k_cache", "v_cache", "page_table", "cache_seqlens"),
+        lambda i: t["cache_seqlens"].copy_(torch.randint(1, cap + 1, (4,), generator=gen).int()),
+        lambda: _reference(t, dict(kv_layout="NHD")), steps=5, what="compiled")
 
 
 @pytest.mark.gpu
