@@ -541,7 +541,7 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
     _check_aligned("q_pe", q_pe, MLA_D - MLA_DV)
     _check_aligned("k_cache", k_cache, MLA_D)
     splits = plan["num_splits"]
-    merged = splits == 1 or _plan.mla_cluster_merge(splits, plan["block_m"])  # the kernel writes out and lse
+    merged = _plan.mla_writes_out(splits, plan["block_m"])  # the kernel writes out and lse itself
     if merged:
         _check_aligned("out", out, MLA_DV)  # the kernel writes out's rows in 16-byte stores
     shapes = dict(q_len=s, hq=hq, page_size=page, q_dtype=q.dtype, kv_dtype=k_cache.dtype)
@@ -579,8 +579,7 @@ def precompile(problem, plan, options) -> None:
     if plan.family != "cute" or problem.device_type != "cuda":
         return
     compile_kernel(problem, plan, options)
-    if plan.mode != "extend" and (not plan.v_from_k or not (
-            plan.num_splits == 1 or _plan.mla_cluster_merge(plan.num_splits, plan.block_m))):
+    if plan.mode != "extend" and not (plan.v_from_k and _plan.mla_writes_out(plan.num_splits, plan.block_m)):
         _precompile_merge(problem, plan.num_splits)
 
 

@@ -64,7 +64,7 @@ def plan(problem: Problem, **tiles) -> Plan:
         raise ValueError("paged_attention: the cute family's MLA kernel reads V from K's tiles, its other kernels "
                          f"load V themselves; v_from_k={tiles['v_from_k']} is the Triton family's")
     out = with_tiles(problem, _plan(problem), tiles, always_split=not mla)
-    if mla and mla_cluster_merge(out.num_splits, out.block_m):
+    if mla and mla_writes_out(out.num_splits, out.block_m):  # no partials, so no scratch
         out = dataclasses.replace(out, scratch_bytes=0)
     if problem.mode == "extend":
         if EXTEND_ROWS.get(out.block_m) != out.num_warps or not extend_rows_fit(out.block_m, problem.head_dim):
@@ -177,9 +177,14 @@ def mla_plan(problem: Problem) -> Plan:
     tile = MLA_SEESAW_TILE if seesaw else MLA_TILE
     if problem.kv_dtype == FP8 and rows <= MLA_NARROW_TILE["block_m"]:
         tile = mla_narrow_tile(problem)
-    scratch = 0 if mla_cluster_merge(splits, tile["block_m"]) else split_scratch_bytes(problem, splits)
     return Plan(mode=problem.mode, family="cute", num_splits=splits, **tile, v_from_k=True,
-                scratch_bytes=scratch)  # one split, or a cluster of splits, writes out itself
+                scratch_bytes=split_scratch_bytes(problem, splits))  # plan(): none where the kernel writes out
+
+
+def mla_writes_out(num_splits: int, block_m: int) -> bool:
+    """Whether the MLA split kernel writes out and lse itself (one split, or splits merged in their cluster:
+    mla_cluster_merge), so that its plan has no scratch and no merge kernel runs."""
+    return num_splits == 1 or mla_cluster_merge(num_splits, block_m)
 
 
 def mla_cluster_merge(num_splits: int, block_m: int) -> bool:
