@@ -98,9 +98,28 @@ def test_kernel_compiles_for_sm90a(name, problem, plan, options, monkeypatch):
     assert cute.compile_kernel(problem, plan, options) is not None
 
 
+@pytest.mark.parametrize("kv_dtype,q_len,heads,splits", [(F8, 1, 16, 2), (torch.bfloat16, 2, 8, 3)],
+                         ids=["float8_pair", "bf16_cluster3"])
+def test_narrow_cluster_compiles_for_sm90a(kv_dtype, q_len, heads, splits, monkeypatch):
+    """The narrow MLA kernel (mla_narrow.py) with its splits merged in their cluster (mla.py's _cluster_merge on
+    its staged fp32 rows), which the plan takes up to MLA_NARROW_CLUSTER_SPLITS of (raised here)."""
+    from b12x_inductor.kernels.cute import plan as cute_plan
+
+    monkeypatch.setattr(cute_plan, "MLA_NARROW_CLUSTER_SPLITS", 8)
+    compile_ = cute_dsl.compile
+    monkeypatch.setattr(cute_dsl, "compile", lambda *a, **k: compile_(*a, options="--gpu-arch sm_90a", **k))
+    p = _problem(num_q_heads=heads, num_kv_heads=1, head_dim=576, v_head_dim=512, v_in_k=True, q_len=q_len,
+                 page_size=64, kv_dtype=kv_dtype)
+    plan = family_plan(p, "cute", **mla_narrow_tile(p), num_splits=splits)
+    assert plan.block_m == 16 and plan.scratch_bytes == 0, plan  # merged in the cluster: no partials
+    options = Options(kv_layout="NHD", causal=True, scale=0.1, window_left=-1, softcap=30.0 if splits == 3 else 0.0)
+    assert cute.compile_kernel(p, plan, options) is not None
+
+
 @pytest.mark.parametrize("case", ["decode", "verify_fp8_features", "extend_sinks", "packed_kv_start", "mla_decode",
                                   "mla_verify_one_split", "mla_decode_q_pe", "mla_decode_narrow_fp8",
-                                  "mla_decode_cluster", "mla_verify_seesaw_cluster"])
+                                  "mla_decode_cluster", "mla_verify_seesaw_cluster",
+                                  "mla_decode_narrow_fp8_cluster"])
 def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     """`run` builds each launch by name from the kernel's `__call__` signature (`_abi`): every argument is
     there, in order, each scalar of its annotated type. The compiled kernel and the GPU are replaced by a
@@ -147,6 +166,10 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
             return launch
 
     monkeypatch.setattr(triton_decode, "merge_kernel", Merge())
+    if case == "mla_decode_narrow_fp8_cluster":  # the narrow kernel's pair, merged in its cluster
+        from b12x_inductor.kernels.cute import plan as cute_plan
+
+        monkeypatch.setattr(cute_plan, "MLA_NARROW_CLUSTER_SPLITS", 2)
     mla = dict(d=576, dv=512, hq=16, hkv=1, v_view=True)
     kw = {"decode": dict(q_len=1), "verify_fp8_features": dict(q_len=4, kv_start=True, descale="bh", kv_dtype=F8),
           "extend_sinks": dict(q_len=40, sinks=True), "packed_kv_start": dict(packed=True, kv_start=True),
@@ -154,6 +177,7 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
           "mla_verify_one_split": dict(mla, q_len=4, kv_start=True),
           "mla_decode_q_pe": dict(mla, q_len=1, split_q=True, lens=[3000, 70]),
           "mla_decode_narrow_fp8": dict(mla, q_len=1, kv_dtype=F8, descale="b", lens=[3000, 70]),
+          "mla_decode_narrow_fp8_cluster": dict(mla, q_len=1, kv_dtype=F8, descale="b", lens=[3000, 70]),
           "mla_decode_cluster": dict(mla, q_len=1, sinks=True, lens=[3000, 70]),
           "mla_verify_seesaw_cluster": dict(mla, q_len=4, kv_start=True, lens=[3000, 70])}[case]
     t = make_inputs(**{**dict(d=128, hq=8, hkv=2, page_size=16, lens=[100, 70]), **kw})
@@ -164,6 +188,7 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     problem = dataclasses.replace(problem, device_type="cuda", capability=(9, 0), sm_count=132)
     seesaw = dict(block_n=64, num_stages=2, num_warps=8)
     tiles = {"mla_verify_one_split": dict(seesaw, num_splits=1), "mla_decode_narrow_fp8": mla_narrow_tile(problem),
+             "mla_decode_narrow_fp8_cluster": dict(mla_narrow_tile(problem), num_splits=2),
              "mla_decode": dict(num_splits=16),  # past a cluster pair: partials and the merge kernel
              "mla_decode_cluster": dict(num_splits=2), "mla_verify_seesaw_cluster": dict(seesaw, num_splits=2)
              }.get(case, {})
@@ -176,6 +201,7 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
         plan=plan))
     expected = {"mla_decode": ["MlaSplitKernel", "merge"], "mla_verify_one_split": ["MlaSeesawKernel"],
                 "mla_decode_narrow_fp8": ["MlaNarrowKernel", "merge"],
+                "mla_decode_narrow_fp8_cluster": ["MlaNarrowKernel"],
                 "mla_decode_q_pe": ["MlaSplitKernel", "merge"], "mla_decode_cluster": ["MlaSplitKernel"],
                 "mla_verify_seesaw_cluster": ["MlaSeesawKernel"]}.get(
         case, ["ExtendKernel"] if plan.mode == "extend" else ["SplitKernel", "merge"])

@@ -587,7 +587,7 @@ def test_gpu_cute_extend_compile_reduce_overhead_no_skip_no_recompile(monkeypatc
 MLA = dict(hkv=1, d=576, dv=512, v_view=True)
 
 
-def test_cute_mla_supports_and_plans():
+def test_cute_mla_supports_and_plans(monkeypatch):
     """The MLA kernels take absorbed MLA decode/verify with a 16-bit cache in q's dtype, V a view of K, no window;
     their plans keep 64 rows per CTA (the seesaw kernel's two 64-key tiles or mla.py's 4 stages of 32 keys), or
     with a float8 cache and at most 16 rows a request the narrow kernel's 16, and write scratch only when they
@@ -620,16 +620,27 @@ def test_cute_mla_supports_and_plans():
         row_blocks = -(-(p.q_len * p.num_q_heads) // 64)
         assert p.batch * row_blocks * plan.num_splits <= 2 * 132 or plan.num_splits == 1, plan
     assert family_plan(_problem(**{**mla, "batch": 128, "max_pages": 32}), "cute").scratch_bytes == 0  # 1 split
-    # 2 splits of the 64-row kernels merge in their cluster (no scratch); more, or the narrow kernel's, in the
-    # Triton merge kernel, from scratch
+    # 2 splits of the 64-row kernels merge in their cluster (no scratch); more, or the narrow kernel's (up to
+    # MLA_NARROW_CLUSTER_SPLITS of them merge in their cluster: none as measured so far), in the Triton merge
+    # kernel, from scratch
+    from b12x_inductor.kernels.cute import plan as cute_plan
+
     p, p16 = _problem(**{**mla, "batch": 2}), _problem(**{**mla, "batch": 2, "num_q_heads": 16})
     narrow = dict(block_m=16, block_n=64, num_stages=2, num_warps=12)
+    narrow_pairs = cute_plan.MLA_NARROW_CLUSTER_SPLITS >= 2
     for prob, tiles, cluster in ((p, dict(num_splits=2), True), (p, dict(num_splits=3), False),
                                  (p, dict(num_splits=8), False), (p, dict(num_splits=2, block_n=64, num_stages=2,
                                                                           num_warps=8), True),
-                                 (p16, dict(narrow, num_splits=2), False)):
+                                 (p16, dict(narrow, num_splits=2), narrow_pairs),
+                                 (p16, dict(narrow, num_splits=3), False)):
         plan = family_plan(prob, "cute", **tiles)
         assert plan.scratch_bytes == (0 if cluster else split_scratch_bytes(prob, plan.num_splits)), (tiles, plan)
+    with monkeypatch.context() as m:  # the narrow kernel's clusters, where the constant takes them
+        m.setattr(cute_plan, "MLA_NARROW_CLUSTER_SPLITS", 3)
+        for splits, cluster in ((2, True), (3, True), (4, False)):
+            plan = family_plan(p16, "cute", **dict(narrow, num_splits=splits))
+            assert plan.scratch_bytes == (0 if cluster else split_scratch_bytes(p16, splits)), (splits, plan)
+        assert family_plan(p, "cute", num_splits=3).scratch_bytes > 0  # the 64-row kernels keep their pairs
     for page, tile in ((1, ring), (48, ring), (8, seesaw), (16, seesaw), (256, seesaw)):  # seesaw: 64-key boxes
         plan = family_plan(_problem(**{**mla, "batch": 32, "page_size": page, "max_pages": 4096 // page}), "cute")
         assert (plan.block_n, plan.num_stages, plan.num_warps) == tile, (page, plan)
@@ -714,13 +725,18 @@ MLA_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES
 # kernel), and 3 merged in a cluster (MLA_CLUSTER_SPLITS raised: `_cluster_merge` takes up to 8, the plan pairs
 # only); each kernel asked for: the seesaw kernel (mla_seesaw.py, pages with 64-key TMA boxes only; also with 2
 # splits), mla.py's ring of 32-key tiles, and the narrow kernel (mla_narrow.py, at most 16 query rows a request;
-# its stages follow the cache: `_mla_overrides`), with 3 splits and with one
+# its stages follow the cache: `_mla_overrides`), with 3 splits, with one, and with 2 and 3 merged in their
+# cluster (MLA_NARROW_CLUSTER_SPLITS raised: MLA_CLUSTER_PATCH)
 MLA_VARIANTS = {"plan": {}, "one_split": dict(num_splits=1), "splits2": dict(num_splits=2),
                 "splits3": dict(num_splits=3), "cluster3": dict(num_splits=3),
                 "seesaw": dict(block_n=64, num_stages=2, num_warps=8),
                 "seesaw_splits2": dict(block_n=64, num_stages=2, num_warps=8, num_splits=2),
                 "ring32": dict(block_n=32, num_stages=4, num_warps=12, block_m=64),
-                "narrow": dict(block_m=16, num_splits=3), "narrow_one_split": dict(block_m=16, num_splits=1)}
+                "narrow": dict(block_m=16, num_splits=3), "narrow_one_split": dict(block_m=16, num_splits=1),
+                "narrow_pair": dict(block_m=16, num_splits=2), "narrow_cluster3": dict(block_m=16, num_splits=3)}
+# the variants whose splits merge in their cluster only with a plan constant raised (kernels/cute/plan.py)
+MLA_CLUSTER_PATCH = {"cluster3": ("MLA_CLUSTER_SPLITS", 8), "narrow_pair": ("MLA_NARROW_CLUSTER_SPLITS", 2),
+                     "narrow_cluster3": ("MLA_NARROW_CLUSTER_SPLITS", 8)}
 
 
 def _mla_overrides(variant, kw):
@@ -745,8 +761,8 @@ def test_gpu_cute_mla_matches_reference(name, kw, options, variant, monkeypatch)
     from b12x_inductor.kernels.cute import plan as cute_plan
     from b12x_inductor.kernels.cute import tma_box
 
-    if variant == "cluster3":
-        monkeypatch.setattr(cute_plan, "MLA_CLUSTER_SPLITS", 8)
+    if variant in MLA_CLUSTER_PATCH:
+        monkeypatch.setattr(cute_plan, *MLA_CLUSTER_PATCH[variant])
     if variant.startswith("seesaw") and not tma_box(page=kw["page_size"], tile_n=64):
         pytest.skip("the seesaw kernel loads by TMA only (pages of 8 to 256 keys that divide 64 or that 64 divides)")
     if variant.startswith("seesaw") and kw.get("kv_dtype") == F8:
@@ -759,22 +775,27 @@ def test_gpu_cute_mla_matches_reference(name, kw, options, variant, monkeypatch)
     out, lse, plan, _ = run_family(t, options, "cute", overrides=overrides)
     torch.cuda.synchronize()
     assert plan.family == "cute" and plan.block_m == overrides.get("block_m", plan.block_m), plan
+    assert variant not in MLA_CLUSTER_PATCH or plan.scratch_bytes == 0, plan  # merged in the cluster
     check_close(out, lse, *_reference(t, options), what=f"{name} {plan}")
 
 
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("variant", ["plan", "one_split", "splits2", "seesaw", "seesaw_splits2", "narrow",
-                                     "narrow_one_split"])
+                                     "narrow_one_split", "narrow_pair"])
 @pytest.mark.parametrize("q_len,heads,split_q,fp8", [(1, 128, False, False), (4, 16, False, False),
                                                     (1, 128, True, False), (4, 16, True, False), (1, 16, False, True),
                                                     (4, 128, True, True), (1, 16, True, False), (2, 8, True, True)],
                          ids=["decode_h128", "verify_h16", "decode_h128_split_q", "verify_h16_split_q",
                               "decode_h16_fp8", "verify_h128_split_q_fp8", "decode_h16_split_q",
                               "verify_h8_split_q_fp8"])
-def test_gpu_cute_mla_cuda_graph_replay(q_len, heads, split_q, fp8, variant):
+def test_gpu_cute_mla_cuda_graph_replay(q_len, heads, split_q, fp8, variant, monkeypatch):
     """Capture once; poison the outputs, change lengths and page tables in place, replay, compare (split_q: the
     query as q and q_pe, read in place; fp8: a float8 cache with per-request descales)."""
+    from b12x_inductor.kernels.cute import plan as cute_plan
+
+    if variant in MLA_CLUSTER_PATCH:
+        monkeypatch.setattr(cute_plan, *MLA_CLUSTER_PATCH[variant])
     if fp8 and variant.startswith("seesaw"):
         pytest.skip("a float8 cache runs on mla.py or mla_narrow.py")
     kw = dict(MLA, batch=3, q_len=q_len, hq=heads, page_size=64, lens=[500, 260, 70], spare_pages=4,
@@ -787,6 +808,7 @@ def test_gpu_cute_mla_cuda_graph_replay(q_len, heads, split_q, fp8, variant):
     out, lse, plan, call = run_family(t, options, "cute", overrides=overrides)
     torch.cuda.synchronize()
     assert plan.block_m == overrides.get("block_m", plan.block_m)
+    assert variant not in MLA_CLUSTER_PATCH or plan.scratch_bytes == 0, plan  # merged in the cluster
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()

@@ -361,16 +361,25 @@ def test_gpu_mla_compile_reduce_overhead_no_skip_no_recompile(case):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_mla_compile_reduce_overhead_cluster_pair():
-    """The decode loop where the plan splits each row block's keys in two (128 heads, rows of 512 keys): with the
-    CuTe family, a cluster pair that merges in shared memory (plan.mla_cluster_merge: no scratch, no merge
-    kernel); no cudagraph skip, one graph."""
-    from b12x_inductor import validate
+@pytest.mark.parametrize("heads,kv_dtype", [(128, BF16), (16, F8)], ids=["h128", "h16_fp8_narrow"])
+def test_gpu_mla_compile_reduce_overhead_cluster_pair(heads, kv_dtype, monkeypatch, request):
+    """The decode loop where the plan splits each row block's keys in two (rows of 512 keys): with the CuTe
+    family, a cluster pair that merges in shared memory (plan.mla_cluster_merge: no scratch, no merge kernel);
+    no cudagraph skip, one graph. 128 heads: mla.py; 16 heads over a float8 cache: the narrow kernel, whose pairs
+    are taken here where the plan does not take them yet (MLA_NARROW_CLUSTER_SPLITS)."""
+    from b12x_inductor import ops, validate
+    from b12x_inductor.kernels.cute import plan as cute_plan
     from b12x_inductor.plan import select_plan
 
-    heads, page_size, capacity = 128, 64, 512
+    monkeypatch.setattr(cute_plan, "MLA_NARROW_CLUSTER_SPLITS", max(2, cute_plan.MLA_NARROW_CLUSTER_SPLITS))
+    # plans are cached (the op's plan_for, Inductor's FX graphs with the plan's literals): none made before the
+    # patch may serve it, nor one made under it outlive it
+    ops.plan_for.cache_clear()
+    request.addfinalizer(ops.plan_for.cache_clear)
+    monkeypatch.setattr("torch._inductor.config.fx_graph_cache", False)
+    page_size, capacity = 64, 512
     q = torch.zeros(4, 1, heads, RANK + ROPE, dtype=BF16, device=CUDA)
-    k = torch.zeros(4 * capacity // page_size + 3, page_size, 1, RANK + ROPE, dtype=BF16, device=CUDA)
+    k = torch.zeros(4 * capacity // page_size + 3, page_size, 1, RANK + ROPE, dtype=kv_dtype, device=CUDA)
     problem = validate.check_paged_attention(
         q[..., :RANK], k, k[..., :RANK], torch.zeros(4, capacity // page_size, dtype=torch.int32, device=CUDA),
         torch.zeros(4, dtype=torch.int32, device=CUDA), None, kv_layout="NHD", causal=True, scale=SCALE,
@@ -379,8 +388,8 @@ def test_gpu_mla_compile_reduce_overhead_cluster_pair():
     plan = select_plan(problem)
     assert plan.num_splits == 2, plan
     if plan.family == "cute":
-        assert plan.scratch_bytes == 0, plan
-    result = run_decode_loop(heads, page_size, BF16, CUDA, dict(mode="reduce-overhead"), capacity=capacity)
+        assert plan.scratch_bytes == 0 and plan.block_m == (16 if kv_dtype == F8 else 64), plan
+    result = run_decode_loop(heads, page_size, kv_dtype, CUDA, dict(mode="reduce-overhead"), capacity=capacity)
     assert not result["inductor"].get("cudagraph_skips"), result["inductor"]
     assert result["stats"].get("unique_graphs") == 1, result["stats"]
 

@@ -194,10 +194,8 @@ class MlaSplitKernel:
             else:
                 self._produce(tidx, b, s_lo, start, length, n_tiles, k_ptr, pt_ptr, k_sp, k_so, pt_sb, num_pages,
                               ring, mbar, tma_k, m_k)
-            if const_expr(self.cluster):  # the consumers' two cluster barriers (_cluster_merge)
-                for _ in cutlass.range_constexpr(2):
-                    cute.arch.cluster_arrive()
-                    cute.arch.cluster_wait()
+            if const_expr(self.cluster):
+                self._producer_cluster_barriers()
         else:
             cute.arch.setmaxregister_increase(self.regs[1])
             ctid = tidx - 128
@@ -385,7 +383,8 @@ class MlaSplitKernel:
         cute.arch.barrier(barrier_id=SUM_BAR, number_of_threads=256)
         ctid = wgc * 128 + lt
         if const_expr(self.cluster):
-            self._cluster_merge(ring, s_lse, b, rb, split, ctid, sinks_ptr, has_sinks, out_ptr, lse_ptr)
+            self._cluster_merge(ring, 0, s_lse, BLOCK_M, b, rb, split, ctid, sinks_ptr, has_sinks, out_ptr,
+                                lse_ptr)
             return
         o_base = part_o_ptr.toint()
         if const_expr(ONE):
@@ -407,28 +406,31 @@ class MlaSplitKernel:
                 cute.autovec_copy(chunk, dst)
 
     @cute.jit
-    def _cluster_merge(self, ring: cute.Pointer, s_lse: cute.Tensor, b: Int32, rb: Int32, rank: Int32, ctid: Int32,
+    def _cluster_merge(self, staged: cute.Pointer, f32_row: cutlass.Constexpr, s_lse: cute.Tensor,
+                       block_m: cutlass.Constexpr, b: Int32, rb: Int32, rank: Int32, ctid: Int32,
                        sinks_ptr: cute.Pointer, has_sinks: Int32, out_ptr: cute.Pointer, lse_ptr: cute.Pointer):
-        """The splits of one row block are one cluster (rank = split): each CTA's normalized partial rows (out's
-        16-bit type, swizzled as the epilogue staged them in the ring) and their log2-sum-exp (`s_lse`, after
-        them) are read by the other CTAs through distributed shared memory. CTA `rank` merges rows rank,
-        rank + N, ... as the Triton merge kernel does (weights exp2(lse_s - m) over their sum plus the sink's
-        exp2(sink - m); zeros and -inf for a row no split saw) into `out` and `lse`. A cluster barrier before
-        (every partial in place) and one after (no CTA leaves while another reads its shared memory)."""
+        """The splits of one row block are one cluster (rank = split): each CTA's normalized partial rows and
+        their log2-sum-exp (`s_lse`: block_m fp32, then room for splits x block_m weights) are read by the other
+        CTAs through distributed shared memory. The staged rows (`staged`): out's 16-bit type, 16-byte chunks
+        swizzled by row % 8 (f32_row 0: this kernel's epilogue), or fp32 rows f32_row values apart, unswizzled
+        (mla_narrow.py's). CTA `rank` merges rows rank, rank + N, ... as the Triton merge kernel does (weights
+        exp2(lse_s - m) over their sum plus the sink's exp2(sink - m); zeros and -inf for a row no split saw) into
+        `out` and `lse`. A cluster barrier before (every partial in place) and one after (no CTA leaves while
+        another reads its shared memory); the 256 consumer threads (ctid) take part, the producer warpgroup
+        arrives at both barriers (`_producer_cluster_barriers`)."""
         N = const_expr(self.num_splits)
         ODT = self.dtype
         EPC = const_expr(128 // ODT.width)
         CPR = const_expr(DV // EPC)
-        OWNED = const_expr(-(-BLOCK_M // N))  # rows of the block a CTA merges, at most
-        s_w = cute.make_tensor(cute.recast_ptr(ring + BLOCK_M * DV + 2 * BLOCK_M, dtype=Float32),
-                               cute.make_layout((N, BLOCK_M), stride=(BLOCK_M, 1)))
+        OWNED = const_expr(-(-block_m // N))  # rows of the block a CTA merges, at most
+        s_w = cute.make_tensor(s_lse.iterator + block_m, cute.make_layout((N, block_m), stride=(block_m, 1)))
         lses = cute.make_tensor(lse_ptr, cute.make_layout((1 << 40,)))
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
-        if ctid < BLOCK_M:
+        if ctid < block_m:
             row = ctid
             if row % N == rank:
-                r = rb * BLOCK_M + row
+                r = rb * block_m + row
                 ls = cute.make_rmem_tensor((N,), Float32)
                 m = Float32(-math.inf)
                 for s in cutlass.range_constexpr(N):
@@ -456,22 +458,28 @@ class MlaSplitKernel:
                 if r < self.rows:
                     lses[Int64(b) * self.rows + Int64(r)] = lse
         cute.arch.barrier(barrier_id=SUM_BAR, number_of_threads=256)
-        src_w = cute.make_rmem_tensor((4,), Uint32)  # 16 bytes of a peer's row: EPC values of out's type
-        src = cute.make_tensor(cute.recast_ptr(src_w.iterator, dtype=ODT), cute.make_layout((EPC,)))
+        # 16 bytes of a peer's row a load: EPC values of out's type, or (fp32 rows) 4 values, two loads a chunk
+        WORDS = const_expr(8 if f32_row else 4)
+        src_w = cute.make_rmem_tensor((WORDS,), Uint32)
+        src = cute.make_tensor(cute.recast_ptr(src_w.iterator, dtype=Float32 if f32_row else ODT),
+                               cute.make_layout((EPC,)))
         acc = cute.make_rmem_tensor((EPC,), Float32)
         chunk = cute.make_rmem_tensor((EPC,), ODT)
         for i in cutlass.range_constexpr(-(-OWNED * CPR // 256)):
             e = ctid + i * 256
             row = rank + N * (e // CPR)
             ch = e % CPR
-            r = rb * BLOCK_M + row
-            if (row < BLOCK_M) & (r < self.rows):
+            r = rb * block_m + row
+            if (row < block_m) & (r < self.rows):
                 acc.fill(0.0)
-                at = Uint32(ring.toint()) + Uint32((row * DV + (ch ^ (row % 8)) * EPC) * (ODT.width // 8))
+                at = Uint32(staged.toint()) + Uint32((row * DV + (ch ^ (row % 8)) * EPC) * (ODT.width // 8))
+                if const_expr(f32_row):
+                    at = Uint32(staged.toint()) + Uint32((row * f32_row + ch * EPC) * 4)
                 for s in cutlass.range_constexpr(N):
-                    words = ld_dsmem_v4(at, Int32(s))
-                    for w in cutlass.range_constexpr(4):
-                        src_w[w] = words[w]
+                    for h in cutlass.range_constexpr(WORDS // 4):
+                        words = ld_dsmem_v4(at + Uint32(16 * h), Int32(s))
+                        for w in cutlass.range_constexpr(4):
+                            src_w[4 * h + w] = words[w]
                     acc.store(acc.load() + src.load().to(Float32) * s_w[s, row])
                 chunk.store(acc.load().to(ODT))
                 addr = out_ptr.toint() + ((Int64(b) * self.rows + Int64(r)) * DV + ch * EPC) * (ODT.width // 8)
@@ -479,6 +487,14 @@ class MlaSplitKernel:
                                                                         assumed_align=16), cute.make_layout((EPC,))))
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
+
+    @cute.jit
+    def _producer_cluster_barriers(self):
+        """The producer warpgroup's part in `_cluster_merge`'s two cluster barriers (every thread of every CTA of
+        the cluster arrives at them): after its last load it arrives and waits twice."""
+        for _ in cutlass.range_constexpr(2):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     @cute.jit
     def _load_q(self, q: dict, b: Int32, rb: Int32, ctid: Int32, q_tile: cute.Pointer):

@@ -84,9 +84,9 @@ class MlaNarrowKernel(MlaSplitKernel):
         from b12x_inductor.kernels.cute import mla_narrow_geometry, tma_box
 
         assert tile_n == TILE_N and s * hq <= ROWS, (tile_n, s, hq)
-        assert not cluster, "the narrow kernel's splits merge in the Triton merge kernel"
         self.s, self.hq, self.page, self.num_splits = s, hq, page, num_splits
-        self.cluster = False
+        self.cluster = cluster  # a request's splits are one cluster and merge there (mla.py's _cluster_merge)
+        assert not cluster or 2 <= num_splits <= 8, "a cluster merges 2 to 8 splits (a portable cluster size)"
         self.tile_n, self.stages, self.dtype = tile_n, stages, q_dtype
         self.causal, self.use_softcap = causal, use_softcap
         self.fp8 = kv_dtype is not None and kv_dtype.width == 8
@@ -141,6 +141,8 @@ class MlaNarrowKernel(MlaSplitKernel):
             else:
                 self._produce(tidx, b, s_lo, start, length, n_tiles, k_ptr, pt_ptr, k_sp, k_so, pt_sb, num_pages,
                               cute.recast_ptr(ring8, dtype=self.dtype), mbar, tma_k, m_k)
+            if const_expr(self.cluster):
+                self._producer_cluster_barriers()
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             ctid = tidx - 128
@@ -498,7 +500,9 @@ class MlaNarrowKernel(MlaSplitKernel):
         and consumer 1 adds its own, then the 256 threads copy whole 16-byte chunks out (8 values each, packed
         to q's 16-bit type). Several splits: the normalized partial output and log2-sum-exp in the merge kernel's
         layout (row (b S + token) Hq + head, then split); one split: out and lse (natural log) with the sink
-        folded in, as mla.py. Zeros and -inf for a row that saw no key."""
+        folded in, as mla.py; splits in a cluster (plan.mla_cluster_merge): the staged fp32 rows and their
+        log2-sum-exp (after the rows) stay in shared memory and mla.py's `_cluster_merge` merges them into out and
+        lse through distributed shared memory. Zeros and -inf for a row that saw no key."""
         ONE = const_expr(self.num_splits == 1)
         fin = storage.fin.get_tensor(cute.make_layout((2, 5, ROWS), stride=(5 * ROWS, ROWS, 1)))  # (c, 4 sums + max)
         for cq in cutlass.range_constexpr(4):
@@ -516,6 +520,7 @@ class MlaNarrowKernel(MlaSplitKernel):
         if const_expr(ONE):
             lses = cute.make_tensor(lse_ptr, cute.make_layout((1 << 40,)))
         fac = cute.make_rmem_tensor((4,), Float32)
+        lse_c = cute.make_rmem_tensor((4,), Float32)
         for cq in cutlass.range_constexpr(4):
             n = t_co[_elem(cq)][1]
             m0 = fin[0, 4, n]
@@ -527,14 +532,21 @@ class MlaNarrowKernel(MlaSplitKernel):
             f, lse = output_factor(m, l_r, cute.arch.exp2(m_run[cq] - m), sinks_ptr, has_sinks, n % self.hq, v_scale,
                                    ONE)
             fac[cq] = f
-            if (wgc == 0) & (warp == 0) & (g == 0) & (n < self.rows):
-                part = Int64(b) * self.rows + Int64(n)
-                if const_expr(not ONE):
-                    part = part * self.num_splits + Int64(split)
-                lses[part] = lse
+            lse_c[cq] = lse
         # the ring is free: both consumers are past all their tiles (END_BAR above), and so are the loads
         stg = cute.make_tensor(cute.recast_ptr(storage.kv.data_ptr(), dtype=Float32),
                                cute.make_layout((ROWS, STAGE_ROW), stride=(STAGE_ROW, 1)))
+        s_lse = cute.make_tensor(stg.iterator + ROWS * STAGE_ROW, cute.make_layout((ROWS,)))  # a cluster's
+        for cq in cutlass.range_constexpr(4):
+            n = t_co[_elem(cq)][1]
+            if (wgc == 0) & (warp == 0) & (g == 0):
+                if const_expr(self.cluster):
+                    s_lse[n] = lse_c[cq]
+                elif n < self.rows:
+                    part = Int64(b) * self.rows + Int64(n)
+                    if const_expr(not ONE):
+                        part = part * self.num_splits + Int64(split)
+                    lses[part] = lse_c[cq]
         if wgc == 0:
             for mt in cutlass.range_constexpr(M_TILES):
                 for e in cutlass.range_constexpr(cute.size(acc_o[mt])):
@@ -547,6 +559,10 @@ class MlaNarrowKernel(MlaSplitKernel):
                     d = self._dim(mt, t_co[e][0])
                     stg[n, d] = stg[n, d] + acc_o[mt][e] * fac[_col(e)]
         cute.arch.barrier(barrier_id=END_BAR, number_of_threads=256)
+        if const_expr(self.cluster):
+            self._cluster_merge(stg.iterator, STAGE_ROW, s_lse, ROWS, b, Int32(0), split, ctid, sinks_ptr, has_sinks,
+                                out_ptr, lse_ptr)
+            return
         # 8 values a chunk, packed to q's 16-bit type: out's rows, or (several splits) the partials'
         o_base = out_ptr.toint()
         if const_expr(not ONE):

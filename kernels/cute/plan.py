@@ -53,6 +53,9 @@ MLA_NARROW_FP8_STAGES = 5
 # merge clusters of up to 8; the plan takes pairs only (h200.md, "Session 56": 2 splits 1.02-1.07x the merge
 # kernel, 4 splits 0.69-0.70x, the clusters of four CTAs of a whole SM each not fitting the GPCs in one wave)
 MLA_CLUSTER_SPLITS = 2
+# mla_narrow.py merges its splits in their cluster too (mla.py's _cluster_merge on its staged fp32 rows); the plan
+# takes up to MLA_NARROW_CLUSTER_SPLITS of them (0: none, every split plan goes through the merge kernel)
+MLA_NARROW_CLUSTER_SPLITS = 0
 
 
 def plan(problem: Problem, **tiles) -> Plan:
@@ -189,12 +192,13 @@ def mla_writes_out(num_splits: int, block_m: int) -> bool:
 
 def mla_cluster_merge(num_splits: int, block_m: int) -> bool:
     """Whether an MLA plan's splits merge inside the split kernel: the 64-row kernels (mla.py, mla_seesaw.py)
-    with 2 to MLA_CLUSTER_SPLITS splits launch each row block's splits as one cluster, and its CTAs merge the
-    partials through distributed shared memory into out and lse (mla.py, `_cluster_merge`); the plan then has
-    no scratch. More splits, and the narrow kernel, write partials for the Triton merge kernel. Measured on an
-    H100 against the merge kernel: MLA H128 32x4096 (seesaw, 2 splits) 1.07x, H16 64x4096 (mla.py, 2) 1.02x;
-    H16 32x4096 (mla.py, 4) 0.70x."""
-    return 2 <= num_splits <= MLA_CLUSTER_SPLITS and block_m == MLA_TILE["block_m"]
+    with 2 to MLA_CLUSTER_SPLITS splits, the narrow kernel (mla_narrow.py) with 2 to MLA_NARROW_CLUSTER_SPLITS,
+    launch each row block's splits as one cluster, and its CTAs merge the partials through distributed shared
+    memory into out and lse (mla.py, `_cluster_merge`); the plan then has no scratch. More splits write partials
+    for the Triton merge kernel. Measured on an H100 against the merge kernel: MLA H128 32x4096 (seesaw, 2
+    splits) 1.07x, H16 64x4096 (mla.py, 2) 1.02x; H16 32x4096 (mla.py, 4) 0.70x."""
+    most = MLA_CLUSTER_SPLITS if block_m == MLA_TILE["block_m"] else MLA_NARROW_CLUSTER_SPLITS
+    return 2 <= num_splits <= most
 
 
 def measured_faster(problem: Problem) -> bool:
