@@ -66,11 +66,15 @@ M_TILES = DV // 64  # the O^T products of a tile (64 value columns each)
 STAGE_ROW = DV + 4  # fp32 stride of the epilogue's staged output rows (conflict-free column writes)
 # per count of consumer warpgroups (2 or 3: the plan's num_warps 12 or 16): the registers setmaxnreg gives the
 # producer and each consumer (128 x producer + 128 x consumers x consumer <= 65536), and with a float8 cache the
-# k-steps of S^T whose A registers are widened together (S_CHUNK: two chunks in flight) and the k-steps of O^T
-# whose A registers (8 column blocks each) are in flight at once (V_BUFS)
+# k-steps of S^T whose A registers are widened together (S_CHUNK: two chunks in flight), the k-steps of O^T
+# whose A registers (8 column blocks each) are in flight at once (V_BUFS), and whether the next chunk's or
+# k-step's float8 bytes are loaded before this one's are widened (EARLY_LOADS: registers for both) or after.
+# With three consumers ptxas serializes the wgmma at 160 registers unless the loads come after (sm_90a, -v:
+# C7512 at 160, none at 176 with early loads)
 REGS = {2: (56, 224), 3: (32, 160)}
 S_CHUNK = {2: 6, 3: 4}
 V_BUFS = {2: 2, 3: 1}
+EARLY_LOADS = {2: True, 3: False}
 MAX_CONSUMERS = 3
 MAX_BAR = 1  # 1, 2, 3: consumer c's warps have published their column maxima of the tile (its 128 threads)
 P_BAR = MAX_BAR + MAX_CONSUMERS  # 4, 5, 6: consumer c's P^T is in shared memory (its 128 threads)
@@ -308,15 +312,17 @@ class MlaNarrowKernel(MlaSplitKernel):
         loads 8 bytes of each of its key rows (warp x 16 + g and + 8) per pair of k-steps (columns 32 kk + 8 t),
         widens them into the chunk's buffer (two buffers: the chunk before last must be done before its buffer is
         rewritten) and issues the chunk (one commit group each; the caller waits for all). The next chunk's bytes
-        are loaded before that wait, so their latency hides behind it."""
+        are loaded before that wait, or after this chunk's widening (EARLY_LOADS), so their latency hides behind
+        the products."""
         mma = self._mma_s()
         SC = const_expr(S_CHUNK[self.consumers])
         CHUNKS_S = const_expr(D // 16 // SC)
+        EARLY = const_expr(EARLY_LOADS[self.consumers])
         x = cute.make_rmem_tensor((2, SC // 2, 2, 2), Uint32)  # (chunk parity, 32-column block, rh, word)
         self._load_k_chunk(x, kw, stage, warp, g, t, 0)
         for c in cutlass.range_constexpr(CHUNKS_S):
             buf = c % 2
-            if const_expr(c + 1 < CHUNKS_S):
+            if const_expr(EARLY and c + 1 < CHUNKS_S):
                 self._load_k_chunk(x, kw, stage, warp, g, t, c + 1)
             if const_expr(c >= 2):
                 warpgroup.wait_group(1)
@@ -325,6 +331,8 @@ class MlaNarrowKernel(MlaSplitKernel):
                     for s in cutlass.range_constexpr(2):  # word s: k-step 2 col + s
                         slot = (buf * SC + 2 * kk + s) * 4
                         ka[slot + rh], ka[slot + 2 + rh] = e4m3x4_to_f16x4(x[buf, kk, rh, s])
+            if const_expr(not EARLY and c + 1 < CHUNKS_S):
+                self._load_k_chunk(x, kw, stage, warp, g, t, c + 1)
             warpgroup.fence()
             for s in cutlass.range_constexpr(SC):
                 k = c * SC + s
@@ -350,19 +358,19 @@ class MlaNarrowKernel(MlaSplitKernel):
         byte (prmt) and widens the pairs: byte b of the 16 is column (M tile b // 2, row warp x 16 + g + 8 (b % 2))
         of the fragment (`_dim`), and the pair is its k values 2t + 8h, + 1 (`_logical_key`). Buffers of 8
         column blocks, V_BUFS buffers (a buffer is rewritten once the k-step that read it is done), one commit
-        group a k-step (the caller waits for all); the next k-step's bytes are loaded before that wait."""
+        group a k-step (the caller waits for all); the next k-step's bytes are loaded before that wait, or after
+        this one's widening (EARLY_LOADS)."""
         mma = self._mma_o()
         mma.set(warpgroup.Field.ACCUMULATE, True)
         VB = const_expr(V_BUFS[self.consumers])
+        EARLY = const_expr(EARLY_LOADS[self.consumers])
         x = cute.make_rmem_tensor((2, 4, 4), Uint32)  # (k-step parity, key j, word)
         for jj in cutlass.range_constexpr(4):
             cute.autovec_copy(vw[stage, 4 * jj + t, 8 * warp + g, None], x[0, jj, None])
         for s in cutlass.range_constexpr(TILE_N // 16):
             buf = s % VB
-            if const_expr(s + 1 < TILE_N // 16):
-                for jj in cutlass.range_constexpr(4):
-                    key = 16 * (s + 1) + 4 * jj + t
-                    cute.autovec_copy(vw[stage, key, 8 * warp + g, None], x[(s + 1) % 2, jj, None])
+            if const_expr(EARLY and s + 1 < TILE_N // 16):
+                self._load_v_step(x, vw, stage, warp, g, t, s + 1)
             if const_expr(s >= VB):
                 warpgroup.wait_group(VB - 1)
             p = s % 2
@@ -374,10 +382,19 @@ class MlaNarrowKernel(MlaSplitKernel):
                     slot1 = (buf * M_TILES + 2 * xw + 1) * 4 + 2 * h
                     va[slot0], va[slot0 + 1] = e4m3x4_to_f16x4(lo)  # columns 4 xw, 4 xw + 1
                     va[slot1], va[slot1 + 1] = e4m3x4_to_f16x4(hi)  # columns 4 xw + 2, 4 xw + 3
+            if const_expr(not EARLY and s + 1 < TILE_N // 16):
+                self._load_v_step(x, vw, stage, warp, g, t, s + 1)
             warpgroup.fence()
             for mt in cutlass.range_constexpr(M_TILES):
                 cute.gemm(mma, acc_o[mt], vf[None, None, buf * M_TILES + mt], tOrP[None, None, s, 0], acc_o[mt])
             warpgroup.commit_group()
+
+    @cute.jit
+    def _load_v_step(self, x: cute.Tensor, vw: cute.Tensor, stage: Int32, warp: Int32, g: Int32, t: Int32,
+                     s: cutlass.Constexpr):
+        """k-step s's float8 bytes of this thread (16 of each of keys 16 s + 4 j + t) into x[s % 2]."""
+        for jj in cutlass.range_constexpr(4):
+            cute.autovec_copy(vw[stage, 16 * s + 4 * jj + t, 8 * warp + g, None], x[s % 2, jj, None])
 
     @cute.jit
     def _logical_key(self, key):
