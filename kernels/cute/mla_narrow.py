@@ -365,8 +365,7 @@ class MlaNarrowKernel(MlaSplitKernel):
         VB = const_expr(V_BUFS[self.consumers])
         EARLY = const_expr(EARLY_LOADS[self.consumers])
         x = cute.make_rmem_tensor((2, 4, 4), Uint32)  # (k-step parity, key j, word)
-        for jj in cutlass.range_constexpr(4):
-            cute.autovec_copy(vw[stage, 4 * jj + t, 8 * warp + g, None], x[0, jj, None])
+        self._load_v_step(x, vw, stage, warp, g, t, 0)
         for s in cutlass.range_constexpr(TILE_N // 16):
             buf = s % VB
             if const_expr(EARLY and s + 1 < TILE_N // 16):
