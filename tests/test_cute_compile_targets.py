@@ -60,13 +60,11 @@ def _cases():
     for q_len, heads, page, q_dtype, tiles in ((1, 16, 64, torch.bfloat16, {}), (4, 128, 1, torch.float16, {}),
                                                (2, 128, 64, torch.bfloat16, dict(num_splits=2))):
         grid.append((dict(mla, q_len=q_len, num_q_heads=heads, page_size=page, q_dtype=q_dtype, kv_dtype=F8), tiles))
-    for q_len, heads, page, q_dtype, kv_dtype, warps in ((1, 16, 64, torch.bfloat16, torch.bfloat16, 12),
-                                                          (2, 8, 1, torch.float16, torch.float16, 12),
-                                                          (1, 16, 16, torch.bfloat16, F8, 12),
-                                                          (1, 16, 64, torch.bfloat16, F8, 16),
-                                                          (2, 8, 16, torch.float16, torch.float16, 16)):
+    for q_len, heads, page, q_dtype, kv_dtype in ((1, 16, 64, torch.bfloat16, torch.bfloat16),
+                                                   (2, 8, 1, torch.float16, torch.float16),
+                                                   (1, 16, 16, torch.bfloat16, F8)):  # mla_narrow.py
         kw = dict(mla, q_len=q_len, num_q_heads=heads, page_size=page, q_dtype=q_dtype, kv_dtype=kv_dtype)
-        grid.append((kw, dict(mla_narrow_tile(_problem(**kw)), num_warps=warps)))  # mla_narrow.py: 2 or 3 consumers
+        grid.append((kw, mla_narrow_tile(_problem(**kw))))
     cases = []
     for i, (kw, tiles) in enumerate(grid):
         p = _problem(**kw, kv_layout="HND" if i % 2 else "NHD")
@@ -86,7 +84,7 @@ def test_the_grid_reaches_every_kernel():
     modes = {(c[2].mode, c[2].block_m) for c in CASES}
     assert {("decode", 1), ("decode", 16), ("verify", 1), ("extend", 128), ("extend", 192)} <= modes, modes
     assert ("decode", 64) in modes and ("verify", 64) in modes  # mla.py, mla_seesaw.py
-    assert {(c[2].block_m, c[2].num_warps) for c in CASES if c[2].v_from_k} == {(64, 8), (64, 12), (16, 12), (16, 16)}
+    assert {(c[2].block_m, c[2].num_warps) for c in CASES if c[2].v_from_k} == {(64, 8), (64, 12), (16, 12)}
     assert {c[1].page_size for c in CASES} == {1, 8, 16, 64, 128}  # cp.async only, TMA boxes of 8 to 64
     clusters = {(c[2].num_warps, c[1].kv_dtype) for c in CASES if c[2].v_from_k and c[2].num_splits == 2
                 and c[2].block_m == 64}  # the cluster merge (plan.mla_cluster_merge): seesaw, ring, float8 ring

@@ -662,16 +662,11 @@ def test_cute_mla_supports_and_plans(monkeypatch):
     assert (plan.block_m, plan.block_n, plan.num_stages, plan.num_warps) == (16, 64, 2, 12), plan
     for kw, tiles in ((dict(num_q_heads=32), dict(block_m=16, block_n=64, num_stages=2)),
                       (dict(num_q_heads=16), dict(block_m=16, block_n=32, num_stages=2)),
-                      (dict(num_q_heads=16), dict(block_m=16, block_n=64, num_stages=3)),
-                      (dict(num_q_heads=16), dict(block_m=16, block_n=64, num_stages=2, num_warps=8))):
+                      (dict(num_q_heads=16), dict(block_m=16, block_n=64, num_stages=3))):
         with pytest.raises(ValueError, match="narrow MLA kernel"):
             family_plan(_problem(**{**mla, **kw}), "cute", **tiles)
     with pytest.raises(ValueError, match="narrow MLA kernel"):
         family_plan(_problem(**{**mla, "num_q_heads": 16}, kv_dtype=F8), "cute", num_stages=6)
-    # three consumer warpgroups on request (num_warps 16), at the stages two take
-    plan = family_plan(_problem(**{**mla, "num_q_heads": 16}, kv_dtype=F8), "cute", num_warps=16)
-    assert (plan.block_m, plan.num_stages, plan.num_warps) == (16, 5, 16), plan
-    assert mla_narrow_geometry(fp8=True, stages=5, consumers=3)["smem_bytes"] <= SMEM_LIMIT
     assert mla_narrow_geometry(fp8=True, stages=5)["smem_bytes"] <= SMEM_LIMIT
     assert mla_narrow_geometry(fp8=True, stages=6) is None and mla_narrow_geometry(fp8=False, stages=3) is None
     for tiles in (dict(num_warps=8, block_n=64, num_stages=2), dict(num_stages=2)):  # seesaw; too few stages
@@ -731,17 +726,14 @@ MLA_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES
 # only); each kernel asked for: the seesaw kernel (mla_seesaw.py, pages with 64-key TMA boxes only; also with 2
 # splits), mla.py's ring of 32-key tiles, and the narrow kernel (mla_narrow.py, at most 16 query rows a request;
 # its stages follow the cache: `_mla_overrides`), with 3 splits, with one, and with 2 and 3 merged in their
-# cluster (MLA_NARROW_CLUSTER_SPLITS raised: MLA_CLUSTER_PATCH), and with three consumer warpgroups (num_warps
-# 16) on 3 splits and on one
+# cluster (MLA_NARROW_CLUSTER_SPLITS raised: MLA_CLUSTER_PATCH)
 MLA_VARIANTS = {"plan": {}, "one_split": dict(num_splits=1), "splits2": dict(num_splits=2),
                 "splits3": dict(num_splits=3), "cluster3": dict(num_splits=3),
                 "seesaw": dict(block_n=64, num_stages=2, num_warps=8),
                 "seesaw_splits2": dict(block_n=64, num_stages=2, num_warps=8, num_splits=2),
                 "ring32": dict(block_n=32, num_stages=4, num_warps=12, block_m=64),
                 "narrow": dict(block_m=16, num_splits=3), "narrow_one_split": dict(block_m=16, num_splits=1),
-                "narrow_pair": dict(block_m=16, num_splits=2), "narrow_cluster3": dict(block_m=16, num_splits=3),
-                "narrow_wg3": dict(block_m=16, num_warps=16, num_splits=3),
-                "narrow_wg3_one_split": dict(block_m=16, num_warps=16, num_splits=1)}
+                "narrow_pair": dict(block_m=16, num_splits=2), "narrow_cluster3": dict(block_m=16, num_splits=3)}
 # the variants whose splits merge in their cluster only with a plan constant raised (kernels/cute/plan.py)
 MLA_CLUSTER_PATCH = {"cluster3": ("MLA_CLUSTER_SPLITS", 8), "narrow_pair": ("MLA_NARROW_CLUSTER_SPLITS", 2),
                      "narrow_cluster3": ("MLA_NARROW_CLUSTER_SPLITS", 8)}
@@ -790,7 +782,7 @@ def test_gpu_cute_mla_matches_reference(name, kw, options, variant, monkeypatch)
 @pytest.mark.gpu
 @needs_cute
 @pytest.mark.parametrize("variant", ["plan", "one_split", "splits2", "seesaw", "seesaw_splits2", "narrow",
-                                     "narrow_one_split", "narrow_pair", "narrow_wg3"])
+                                     "narrow_one_split", "narrow_pair"])
 @pytest.mark.parametrize("q_len,heads,split_q,fp8", [(1, 128, False, False), (4, 16, False, False),
                                                     (1, 128, True, False), (4, 16, True, False), (1, 16, False, True),
                                                     (4, 128, True, True), (1, 16, True, False), (2, 8, True, True)],

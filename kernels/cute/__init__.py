@@ -179,18 +179,17 @@ def mla_geometry(*, tile_n: int, stages: int) -> dict | None:
     return dict(tile_n=tile_n, stages=stages, storage=storage, smem_bytes=smem_bytes)
 
 
-def mla_narrow_geometry(*, fp8: bool, stages: int, consumers: int = 2) -> dict | None:
+def mla_narrow_geometry(*, fp8: bool, stages: int) -> dict | None:
     """The narrow MLA kernel's shared memory (mla_narrow.py), or None where it does not fit: `stages` tiles of
-    64 keys (16-bit rows of 576, or float8 rows 608 bytes apart), the Q tile (16 x 576, 16-bit) and a P^T tile
-    for each of the `consumers` warpgroups (`storage`: storage.mla_narrow_storage; `smem_bytes` its size;
-    `tile_bytes` a stage's)."""
+    64 keys (16-bit rows of 576, or float8 rows 608 bytes apart), the Q tile (16 x 576, 16-bit) and two P^T
+    tiles (`storage`: storage.mla_narrow_storage; `smem_bytes` its size; `tile_bytes` a stage's)."""
     from .mla_narrow import FP8_ROW, ROWS, STAGE_ROW, TILE_N
     from .storage import mla_narrow_storage
 
     tile_bytes = TILE_N * (FP8_ROW if fp8 else MLA_D * 2)
     if stages < 2 or stages * tile_bytes < ROWS * STAGE_ROW * 4:  # the epilogue stages the output in the ring
         return None
-    storage = mla_narrow_storage(rows=ROWS, d=MLA_D, tile_bytes=tile_bytes, stages=stages, consumers=consumers)
+    storage = mla_narrow_storage(rows=ROWS, d=MLA_D, tile_bytes=tile_bytes, stages=stages)
     smem_bytes = storage.size_in_bytes()
     if smem_bytes > SMEM_LIMIT:
         return None
@@ -330,9 +329,8 @@ def _compiled_mla(key):
     s, hq, page, splits, tile_n, stages, q_dtype, causal, use_softcap, kv_dtype, warps, block_m, cluster = key
     qt, kt = _cutlass_dtype(q_dtype), _cutlass_dtype(kv_dtype)
     cls = mla_kernel_class(warps, block_m)
-    narrow = dict(consumers=warps // 4 - 1) if block_m == MLA_NARROW_ROWS else {}  # the producer, then consumers
     kernel = cls(s=s, hq=hq, page=page, num_splits=splits, tile_n=tile_n, stages=stages, q_dtype=qt,
-                 causal=causal, use_softcap=use_softcap, kv_dtype=kt, cluster=cluster, **narrow)
+                 causal=causal, use_softcap=use_softcap, kv_dtype=kt, cluster=cluster)
     gmem = cute.AddressSpace.gmem
 
     def ptr(dt, align=4):

@@ -107,8 +107,6 @@ class MlaSplitKernel:
     launch (`__call__`: the TMA atom where pages have a box, then the grid) serves the seesaw kernel too, with
     that kernel's `threads`."""
 
-    consumer_threads = 256  # the threads of the consumer warpgroups (ctid), which run the epilogue
-
     def __init__(self, *, s: int, hq: int, page: int, num_splits: int, tile_n: int, stages: int, q_dtype,
                  causal: bool, use_softcap: bool, kv_dtype=None, cluster: bool = False):
         self.s, self.hq, self.page, self.num_splits = s, hq, page, num_splits
@@ -418,10 +416,9 @@ class MlaSplitKernel:
         (mla_narrow.py's). CTA `rank` merges rows rank, rank + N, ... as the Triton merge kernel does (weights
         exp2(lse_s - m) over their sum plus the sink's exp2(sink - m); zeros and -inf for a row no split saw) into
         `out` and `lse`. A cluster barrier before (every partial in place) and one after (no CTA leaves while
-        another reads its shared memory); the consumer threads (ctid, `consumer_threads`) take part, the producer warpgroup
+        another reads its shared memory); the 256 consumer threads (ctid) take part, the producer warpgroup
         arrives at both barriers (`_producer_cluster_barriers`)."""
         N = const_expr(self.num_splits)
-        T = const_expr(self.consumer_threads)
         ODT = self.dtype
         EPC = const_expr(128 // ODT.width)
         CPR = const_expr(DV // EPC)
@@ -460,7 +457,7 @@ class MlaSplitKernel:
                     s_w[s, row] = ls[s] * inv
                 if r < self.rows:
                     lses[Int64(b) * self.rows + Int64(r)] = lse
-        cute.arch.barrier(barrier_id=SUM_BAR, number_of_threads=T)
+        cute.arch.barrier(barrier_id=SUM_BAR, number_of_threads=256)
         # 16 bytes of a peer's row a load: EPC values of out's type, or (fp32 rows) 4 values, two loads a chunk
         WORDS = const_expr(8 if f32_row else 4)
         src_w = cute.make_rmem_tensor((WORDS,), Uint32)
@@ -468,8 +465,8 @@ class MlaSplitKernel:
                                cute.make_layout((EPC,)))
         acc = cute.make_rmem_tensor((EPC,), Float32)
         chunk = cute.make_rmem_tensor((EPC,), ODT)
-        for i in cutlass.range_constexpr(-(-OWNED * CPR // T)):
-            e = ctid + i * T
+        for i in cutlass.range_constexpr(-(-OWNED * CPR // 256)):
+            e = ctid + i * 256
             row = rank + N * (e // CPR)
             ch = e % CPR
             r = rb * block_m + row

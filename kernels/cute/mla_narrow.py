@@ -10,16 +10,15 @@ K = 64 keys), so every product row is a real one. The problem, grid and outputs 
 k, Dv = 512, V the first 512 columns of K, one latent KV head, grid (splits, 1, B), one CTA per request and
 split; with several splits the partials go to the Triton merge kernel, with one the CTA writes `out` and `lse`.
 
-One CTA of a producer warpgroup and two or three consumer warpgroups (the plan's num_warps 12 or 16):
+One CTA of three warpgroups:
 - warpgroup 0, the producer, loads tiles of 64 keys into a ring of `stages`: a 16-bit cache as mla.py does
   (`MlaSplitKernel._produce`: TMA where the page geometry allows and all keys are visible, else cp.async with
   keys outside [kv_start, length) copied from the nearest visible one); a float8 cache as stored, by cp.async,
   key rows 608 bytes apart (FP8_ROW: four consecutive keys' 32-byte pieces then fall in distinct banks), four
   threads a key row, page ids read a tile ahead (`_produce_fp8`).
-- the C consumers (warpgroups 1 .. C) own every C-th tile (c, c + C, ...) and run independently: each keeps
-  its own running column maxima, sums and O^T (16 x 512 fp32: 64 registers a thread) and they are merged at the
-  end (`_finish`), as splits would be. Three consumers leave each 160 registers (REGS), so their float8 operand
-  buffers are smaller (S_CHUNK, V_BUFS). Per own tile: S^T (one commit group; six with a float8 cache), the
+- warpgroups 1 and 2, the consumers, own alternate tiles (c, c + 2, ...) and run independently: each keeps its
+  own running column maxima, sums and O^T (16 x 512 fp32: 64 registers a thread) and the two are merged at the
+  end (`_finish`), as two splits would be. Per own tile: S^T (one commit group; six with a float8 cache), the
   column softmax (`_softmax`: a query row's maxima over the tile's keys reduce over the lanes of a warp and then,
   through shared memory and one named barrier, over the warpgroup's four warps), P^T (16-bit) into the
   consumer's P buffer, then O^T (one commit group; four with a float8 cache), the wait for it, and the stage's
@@ -60,27 +59,18 @@ from b12x_inductor.kernels.cute.mla import (CHUNKS, CHUNKS8, RESCALE_LOG2, MlaSp
                                             _moved, _with_stage_stride, query_parts)
 from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, pack2, prmt
 
+THREADS = 384  # producer warpgroup + two consumer warpgroups
 TILE_N = 64  # keys of a tile: the wgmma's M
 FP8_ROW = D + 32  # bytes between the key rows of a float8 tile
 M_TILES = DV // 64  # the O^T products of a tile (64 value columns each)
 STAGE_ROW = DV + 4  # fp32 stride of the epilogue's staged output rows (conflict-free column writes)
-# per count of consumer warpgroups (2 or 3: the plan's num_warps 12 or 16): the registers setmaxnreg gives the
-# producer and each consumer (128 x producer + 128 x consumers x consumer <= 65536), and with a float8 cache the
-# k-steps of S^T whose A registers are widened together (S_CHUNK: two chunks in flight), the k-steps of O^T
-# whose A registers (8 column blocks each) are in flight at once (V_BUFS), and whether the next chunk's or
-# k-step's float8 bytes are loaded before this one's are widened (EARLY_LOADS: registers for both) or after.
-# With three consumers ptxas serializes the wgmma at 160 registers unless the loads come after (sm_90a, -v:
-# C7512 at 160, none at 176 with early loads)
-REGS = {2: (56, 224), 3: (32, 160)}
-S_CHUNK = {2: 6, 3: 4}
-V_BUFS = {2: 2, 3: 1}
-EARLY_LOADS = {2: True, 3: False}
-MAX_CONSUMERS = 3
-MAX_BAR = 1  # 1, 2, 3: consumer c's warps have published their column maxima of the tile (its 128 threads)
-P_BAR = MAX_BAR + MAX_CONSUMERS  # 4, 5, 6: consumer c's P^T is in shared memory (its 128 threads)
-Q_BAR = P_BAR + MAX_CONSUMERS  # the Q tile is in shared memory (every consumer)
-END_BAR = Q_BAR + 2  # the consumers' maxima and sums, then their staged outputs (8: mla.py's SUM_BAR, which
-# its _cluster_merge takes)
+PRODUCER_REGS, CONSUMER_REGS = 56, 224  # 128 x 56 + 256 x 224 <= 65536
+MAX_BAR = 1  # 1, 2: consumer c's warps have published their column maxima of the tile (its 128 threads)
+P_BAR = 3  # 3, 4: consumer c's P^T is in shared memory (its 128 threads)
+Q_BAR = 5  # the Q tile is in shared memory (both consumers)
+END_BAR = 6  # the consumers' maxima and sums, then their staged outputs (both consumers)
+S_CHUNK = 6  # float8: k-steps of S^T whose A registers are widened together (two chunks in flight)
+V_BUFS = 2  # float8: k-steps of O^T whose A registers (8 column blocks each) are in flight at once
 
 
 class MlaNarrowKernel(MlaSplitKernel):
@@ -90,12 +80,10 @@ class MlaNarrowKernel(MlaSplitKernel):
     producer and its float8 page-id reads."""
 
     def __init__(self, *, s: int, hq: int, page: int, num_splits: int, tile_n: int, stages: int, q_dtype,
-                 causal: bool, use_softcap: bool, kv_dtype=None, cluster: bool = False, consumers: int = 2):
+                 causal: bool, use_softcap: bool, kv_dtype=None, cluster: bool = False):
         from b12x_inductor.kernels.cute import mla_narrow_geometry, tma_box
 
         assert tile_n == TILE_N and s * hq <= ROWS, (tile_n, s, hq)
-        assert consumers in REGS, consumers
-        self.consumers = consumers  # consumer warpgroups: they take turns at the tiles
         self.s, self.hq, self.page, self.num_splits = s, hq, page, num_splits
         self.cluster = cluster  # a request's splits are one cluster and merge there (mla.py's _cluster_merge)
         assert not cluster or 2 <= num_splits <= 8, "a cluster merges 2 to 8 splits (a portable cluster size)"
@@ -103,14 +91,13 @@ class MlaNarrowKernel(MlaSplitKernel):
         self.causal, self.use_softcap = causal, use_softcap
         self.fp8 = kv_dtype is not None and kv_dtype.width == 8
         self.mdt = cutlass.Float16 if self.fp8 else q_dtype  # the products' operand type: Q, P, widened K and V
-        geo = mla_narrow_geometry(fp8=self.fp8, stages=stages, consumers=consumers)
+        geo = mla_narrow_geometry(fp8=self.fp8, stages=stages)
         assert geo is not None, "the plan's stages do not fit this kernel (kernels/cute/__init__.py)"
         self.storage, self.smem_bytes, self.tile_bytes = geo["storage"], geo["smem_bytes"], geo["tile_bytes"]
         self.rows = s * hq
         self.row_blocks = 1
         self.box = 0 if self.fp8 else tma_box(page=page, tile_n=tile_n)
-        self.consumer_threads = 128 * consumers
-        self.threads = 128 + self.consumer_threads  # the producer warpgroup, then the consumers
+        self.threads = THREADS
 
     @cute.kernel
     def kernel(
@@ -147,7 +134,7 @@ class MlaNarrowKernel(MlaSplitKernel):
         s_lo, s_hi, n_tiles = split_keys(lo, length, split, self.num_splits, BN)
 
         if wg == 0:
-            cute.arch.setmaxregister_decrease(REGS[self.consumers][0])
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if const_expr(self.fp8):
                 self._produce_fp8(tidx, b, s_lo, start, length, n_tiles, k_ptr, pt_ptr, k_sp, k_so, pt_sb,
                                   num_pages, ring8, mbar)
@@ -157,7 +144,7 @@ class MlaNarrowKernel(MlaSplitKernel):
             if const_expr(self.cluster):
                 self._producer_cluster_barriers()
         else:
-            cute.arch.setmaxregister_increase(REGS[self.consumers][1])
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
             ctid = tidx - 128
             wgc = wg - 1
             lt = tidx % 128
@@ -194,13 +181,12 @@ class MlaNarrowKernel(MlaSplitKernel):
                                                               stride=(self.tile_bytes // 4, FP8_ROW // 4, 2, 1)))
                 vw = cute.make_tensor(words, cute.make_layout((NS, BN, FP8_ROW // 16, 4),
                                                               stride=(self.tile_bytes // 4, FP8_ROW // 4, 4, 1)))
-                SC, VB = const_expr(S_CHUNK[self.consumers]), const_expr(V_BUFS[self.consumers])
-                ka = cute.make_rmem_tensor((2 * SC * 4,), Uint32)
+                ka = cute.make_rmem_tensor((2 * S_CHUNK * 4,), Uint32)
                 kf = cute.make_tensor(cute.recast_ptr(ka.iterator, dtype=dt),
-                                      cute.make_layout(((2, 2, 2), 1, 2 * SC), stride=((1, 2, 4), 0, 8)))
-                va = cute.make_rmem_tensor((VB * M_TILES * 4,), Uint32)
+                                      cute.make_layout(((2, 2, 2), 1, 2 * S_CHUNK), stride=((1, 2, 4), 0, 8)))
+                va = cute.make_rmem_tensor((V_BUFS * M_TILES * 4,), Uint32)
                 vf = cute.make_tensor(cute.recast_ptr(va.iterator, dtype=dt),
-                                      cute.make_layout(((2, 2, 2), 1, VB * M_TILES), stride=((1, 2, 4), 0, 8)))
+                                      cute.make_layout(((2, 2, 2), 1, V_BUFS * M_TILES), stride=((1, 2, 4), 0, 8)))
             else:
                 ring = cute.recast_ptr(ring8, dtype=dt)
                 STAGE = const_expr(BN * D)
@@ -227,14 +213,12 @@ class MlaNarrowKernel(MlaSplitKernel):
             full_hi = s_hi
             if const_expr(self.causal):
                 full_hi = cutlass.min(full_hi, length - self.s + 1)
-            sRed = storage.red.get_tensor(cute.make_layout((self.consumers, 2, 4, ROWS),
-                                                           stride=(8 * ROWS, 4 * ROWS, ROWS, 1)))
+            sRed = storage.red.get_tensor(cute.make_layout((2, 2, 4, ROWS), stride=(8 * ROWS, 4 * ROWS, ROWS, 1)))
             sPw = cute.make_tensor(p_buf, cute.make_layout((ROWS, 8, 8), stride=(BN, 8, 1)))
 
-            C = const_expr(self.consumers)
-            n_own = (n_tiles - wgc + C - 1) // C
+            n_own = (n_tiles - wgc + 1) // 2
             for i in cutlass.range(n_own, unroll=1):
-                j = C * i + wgc
+                j = 2 * i + wgc
                 stage = j % NS
                 cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), stage_phase(j, NS))
                 cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
@@ -312,41 +296,35 @@ class MlaNarrowKernel(MlaSplitKernel):
         loads 8 bytes of each of its key rows (warp x 16 + g and + 8) per pair of k-steps (columns 32 kk + 8 t),
         widens them into the chunk's buffer (two buffers: the chunk before last must be done before its buffer is
         rewritten) and issues the chunk (one commit group each; the caller waits for all). The next chunk's bytes
-        are loaded before that wait, or after this chunk's widening (EARLY_LOADS), so their latency hides behind
-        the products."""
+        are loaded before that wait, so their latency hides behind it."""
         mma = self._mma_s()
-        SC = const_expr(S_CHUNK[self.consumers])
-        CHUNKS_S = const_expr(D // 16 // SC)
-        EARLY = const_expr(EARLY_LOADS[self.consumers])
-        x = cute.make_rmem_tensor((2, SC // 2, 2, 2), Uint32)  # (chunk parity, 32-column block, rh, word)
+        CHUNKS_S = const_expr(D // 16 // S_CHUNK)
+        x = cute.make_rmem_tensor((2, S_CHUNK // 2, 2, 2), Uint32)  # (chunk parity, 32-column block, rh, word)
         self._load_k_chunk(x, kw, stage, warp, g, t, 0)
         for c in cutlass.range_constexpr(CHUNKS_S):
             buf = c % 2
-            if const_expr(EARLY and c + 1 < CHUNKS_S):
+            if const_expr(c + 1 < CHUNKS_S):
                 self._load_k_chunk(x, kw, stage, warp, g, t, c + 1)
             if const_expr(c >= 2):
                 warpgroup.wait_group(1)
-            for kk in cutlass.range_constexpr(SC // 2):
+            for kk in cutlass.range_constexpr(S_CHUNK // 2):
                 for rh in cutlass.range_constexpr(2):
                     for s in cutlass.range_constexpr(2):  # word s: k-step 2 col + s
-                        slot = (buf * SC + 2 * kk + s) * 4
+                        slot = (buf * S_CHUNK + 2 * kk + s) * 4
                         ka[slot + rh], ka[slot + 2 + rh] = e4m3x4_to_f16x4(x[buf, kk, rh, s])
-            if const_expr(not EARLY and c + 1 < CHUNKS_S):
-                self._load_k_chunk(x, kw, stage, warp, g, t, c + 1)
             warpgroup.fence()
-            for s in cutlass.range_constexpr(SC):
-                k = c * SC + s
+            for s in cutlass.range_constexpr(S_CHUNK):
+                k = c * S_CHUNK + s
                 mma.set(warpgroup.Field.ACCUMULATE, k != 0)
-                cute.gemm(mma, acc_s, kf[None, None, buf * SC + s], tSrQ[None, None, k, 0], acc_s)
+                cute.gemm(mma, acc_s, kf[None, None, buf * S_CHUNK + s], tSrQ[None, None, k, 0], acc_s)
             warpgroup.commit_group()
 
     @cute.jit
     def _load_k_chunk(self, x: cute.Tensor, kw: cute.Tensor, stage: Int32, warp: Int32, g: Int32, t: Int32,
                       c: cutlass.Constexpr):
         """Chunk c's float8 bytes of this thread's key rows (8 per row and 32-column block) into x[c % 2]."""
-        SC = const_expr(S_CHUNK[self.consumers])
-        for kk in cutlass.range_constexpr(SC // 2):
-            col = c * SC // 2 + kk  # the 32-column block
+        for kk in cutlass.range_constexpr(S_CHUNK // 2):
+            col = c * S_CHUNK // 2 + kk  # the 32-column block
             for rh in cutlass.range_constexpr(2):
                 cute.autovec_copy(kw[stage, warp * 16 + g + 8 * rh, 4 * col + t, None], x[c % 2, kk, rh, None])
 
@@ -358,20 +336,20 @@ class MlaNarrowKernel(MlaSplitKernel):
         byte (prmt) and widens the pairs: byte b of the 16 is column (M tile b // 2, row warp x 16 + g + 8 (b % 2))
         of the fragment (`_dim`), and the pair is its k values 2t + 8h, + 1 (`_logical_key`). Buffers of 8
         column blocks, V_BUFS buffers (a buffer is rewritten once the k-step that read it is done), one commit
-        group a k-step (the caller waits for all); the next k-step's bytes are loaded before that wait, or after
-        this one's widening (EARLY_LOADS)."""
+        group a k-step (the caller waits for all); the next k-step's bytes are loaded before that wait."""
         mma = self._mma_o()
         mma.set(warpgroup.Field.ACCUMULATE, True)
-        VB = const_expr(V_BUFS[self.consumers])
-        EARLY = const_expr(EARLY_LOADS[self.consumers])
         x = cute.make_rmem_tensor((2, 4, 4), Uint32)  # (k-step parity, key j, word)
-        self._load_v_step(x, vw, stage, warp, g, t, 0)
+        for jj in cutlass.range_constexpr(4):
+            cute.autovec_copy(vw[stage, 4 * jj + t, 8 * warp + g, None], x[0, jj, None])
         for s in cutlass.range_constexpr(TILE_N // 16):
-            buf = s % VB
-            if const_expr(EARLY and s + 1 < TILE_N // 16):
-                self._load_v_step(x, vw, stage, warp, g, t, s + 1)
-            if const_expr(s >= VB):
-                warpgroup.wait_group(VB - 1)
+            buf = s % V_BUFS
+            if const_expr(s + 1 < TILE_N // 16):
+                for jj in cutlass.range_constexpr(4):
+                    key = 16 * (s + 1) + 4 * jj + t
+                    cute.autovec_copy(vw[stage, key, 8 * warp + g, None], x[(s + 1) % 2, jj, None])
+            if const_expr(s >= V_BUFS):
+                warpgroup.wait_group(V_BUFS - 1)
             p = s % 2
             for h in cutlass.range_constexpr(2):
                 for xw in cutlass.range_constexpr(4):
@@ -381,19 +359,10 @@ class MlaNarrowKernel(MlaSplitKernel):
                     slot1 = (buf * M_TILES + 2 * xw + 1) * 4 + 2 * h
                     va[slot0], va[slot0 + 1] = e4m3x4_to_f16x4(lo)  # columns 4 xw, 4 xw + 1
                     va[slot1], va[slot1 + 1] = e4m3x4_to_f16x4(hi)  # columns 4 xw + 2, 4 xw + 3
-            if const_expr(not EARLY and s + 1 < TILE_N // 16):
-                self._load_v_step(x, vw, stage, warp, g, t, s + 1)
             warpgroup.fence()
             for mt in cutlass.range_constexpr(M_TILES):
                 cute.gemm(mma, acc_o[mt], vf[None, None, buf * M_TILES + mt], tOrP[None, None, s, 0], acc_o[mt])
             warpgroup.commit_group()
-
-    @cute.jit
-    def _load_v_step(self, x: cute.Tensor, vw: cute.Tensor, stage: Int32, warp: Int32, g: Int32, t: Int32,
-                     s: cutlass.Constexpr):
-        """k-step s's float8 bytes of this thread (16 of each of keys 16 s + 4 j + t) into x[s % 2]."""
-        for jj in cutlass.range_constexpr(4):
-            cute.autovec_copy(vw[stage, 16 * s + 4 * jj + t, 8 * warp + g, None], x[s % 2, jj, None])
 
     @cute.jit
     def _logical_key(self, key):
@@ -458,17 +427,16 @@ class MlaNarrowKernel(MlaSplitKernel):
     @cute.jit
     def _store_q(self, q: dict, b: Int32, ctid: Int32, q_tile: cute.Pointer):
         """The request's query rows -> the Q tile (zeros past them), by plain loads and stores of 16-byte chunks
-        (the consumer threads, ctid), converted to the products' type; with a float8 cache the columns are permuted
+        (the 256 consumer threads), converted to the products' type; with a float8 cache the columns are permuted
         for `_scores_fp8`: chunk j of each group of four takes word j of each of the group's chunks. Then the
-        barrier of every consumer (after the proxy fence: the wgmma reads Q)."""
+        barrier of both consumers (after the proxy fence: the wgmma reads Q)."""
         dt = self.dtype
         esize = const_expr(dt.width // 8)
         wq = _chunks_view(cute.recast_ptr(q_tile, dtype=Uint32), ROWS, 1, per_chunk=4)
         x = cute.make_rmem_tensor((8,), dt)
         n = const_expr(ROWS * CHUNKS)
-        T = const_expr(self.consumer_threads)
-        for i in cutlass.range_constexpr(-(-n // T)):
-            e = ctid + i * T
+        for i in cutlass.range_constexpr((n + 255) // 256):
+            e = ctid + i * 256
             if e < n:
                 row = e // CHUNKS
                 ch = e % CHUNKS
@@ -492,7 +460,7 @@ class MlaNarrowKernel(MlaSplitKernel):
                     else:
                         _chunk(wq[0, None, None, None, None, None], row, ch)[wd] = word
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=Q_BAR, number_of_threads=self.consumer_threads)
+        cute.arch.barrier(barrier_id=Q_BAR, number_of_threads=256)
 
     @cute.jit
     def _produce_fp8(self, tidx: Int32, b: Int32, s_lo: Int32, start: Int32, length: Int32, n_tiles: Int32,
@@ -526,19 +494,17 @@ class MlaNarrowKernel(MlaSplitKernel):
                 split: Int32, wgc: Int32, ctid: Int32, warp: Int32, g: Int32, t: Int32, sinks_ptr: cute.Pointer,
                 has_sinks: Int32, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer, out_ptr: cute.Pointer,
                 lse_ptr: cute.Pointer, v_scale: Float32):
-        """The consumers merged, as splits are: each publishes its column maxima and per-warp column sums (`fin`),
-        each column's max m and sum l over all of them are formed, each consumer's O^T is scaled by exp2(m_c - m)
-        and by the output's factor, consumer 0 stages its part in the ring (rows of STAGE_ROW fp32) and the others
-        add theirs in turn, then the consumer threads copy whole 16-byte chunks out (8 values each, packed to q's
-        16-bit type). Several splits: the normalized partial output and log2-sum-exp in the merge kernel's layout
-        (row (b S + token) Hq + head, then split); one split: out and lse (natural log) with the sink folded in,
-        as mla.py; splits in a cluster (plan.mla_cluster_merge): the staged fp32 rows and their log2-sum-exp
-        (after the rows) stay in shared memory and mla.py's `_cluster_merge` merges them into out and lse
-        through distributed shared memory. Zeros and -inf for a row that saw no key."""
+        """The two consumers merged, as two splits: each publishes its column maxima and per-warp column sums
+        (`fin`), each column's max m and sum l over both are formed, each consumer's O^T is scaled by
+        exp2(m_c - m) and by the output's factor, consumer 0 stages its part in the ring (rows of STAGE_ROW fp32)
+        and consumer 1 adds its own, then the 256 threads copy whole 16-byte chunks out (8 values each, packed
+        to q's 16-bit type). Several splits: the normalized partial output and log2-sum-exp in the merge kernel's
+        layout (row (b S + token) Hq + head, then split); one split: out and lse (natural log) with the sink
+        folded in, as mla.py; splits in a cluster (plan.mla_cluster_merge): the staged fp32 rows and their
+        log2-sum-exp (after the rows) stay in shared memory and mla.py's `_cluster_merge` merges them into out and
+        lse through distributed shared memory. Zeros and -inf for a row that saw no key."""
         ONE = const_expr(self.num_splits == 1)
-        C = const_expr(self.consumers)
-        T = const_expr(self.consumer_threads)
-        fin = storage.fin.get_tensor(cute.make_layout((C, 5, ROWS), stride=(5 * ROWS, ROWS, 1)))  # (c, 4 sums + max)
+        fin = storage.fin.get_tensor(cute.make_layout((2, 5, ROWS), stride=(5 * ROWS, ROWS, 1)))  # (c, 4 sums + max)
         for cq in cutlass.range_constexpr(4):
             e0 = _elem(cq)
             l_c = l_run[cq]
@@ -549,7 +515,7 @@ class MlaNarrowKernel(MlaSplitKernel):
                 fin[wgc, warp, t_co[e0][1]] = l_c
                 if warp == 0:
                     fin[wgc, 4, t_co[e0][1]] = m_run[cq]
-        cute.arch.barrier(barrier_id=END_BAR, number_of_threads=T)
+        cute.arch.barrier(barrier_id=END_BAR, number_of_threads=256)
         lses = cute.make_tensor(part_l_ptr, cute.make_layout((1 << 40,)))
         if const_expr(ONE):
             lses = cute.make_tensor(lse_ptr, cute.make_layout((1 << 40,)))
@@ -557,18 +523,17 @@ class MlaNarrowKernel(MlaSplitKernel):
         lse_c = cute.make_rmem_tensor((4,), Float32)
         for cq in cutlass.range_constexpr(4):
             n = t_co[_elem(cq)][1]
-            m = fin[0, 4, n]
-            for c in cutlass.range_constexpr(1, C):
-                m = cute.arch.fmax(m, fin[c, 4, n])
-            l_r = Float32(0.0)
-            for c in cutlass.range_constexpr(C):
-                l_c = (fin[c, 0, n] + fin[c, 1, n]) + (fin[c, 2, n] + fin[c, 3, n])
-                l_r = l_r + l_c * cute.arch.exp2(fin[c, 4, n] - m)
+            m0 = fin[0, 4, n]
+            m1 = fin[1, 4, n]
+            m = cute.arch.fmax(m0, m1)
+            l_0 = (fin[0, 0, n] + fin[0, 1, n]) + (fin[0, 2, n] + fin[0, 3, n])
+            l_1 = (fin[1, 0, n] + fin[1, 1, n]) + (fin[1, 2, n] + fin[1, 3, n])
+            l_r = l_0 * cute.arch.exp2(m0 - m) + l_1 * cute.arch.exp2(m1 - m)
             f, lse = output_factor(m, l_r, cute.arch.exp2(m_run[cq] - m), sinks_ptr, has_sinks, n % self.hq, v_scale,
                                    ONE)
             fac[cq] = f
             lse_c[cq] = lse
-        # the ring is free: every consumer is past all its tiles (END_BAR above), and so are the loads
+        # the ring is free: both consumers are past all their tiles (END_BAR above), and so are the loads
         stg = cute.make_tensor(cute.recast_ptr(storage.kv.data_ptr(), dtype=Float32),
                                cute.make_layout((ROWS, STAGE_ROW), stride=(STAGE_ROW, 1)))
         s_lse = cute.make_tensor(stg.iterator + ROWS * STAGE_ROW, cute.make_layout((ROWS,)))  # a cluster's
@@ -582,17 +547,18 @@ class MlaNarrowKernel(MlaSplitKernel):
                     if const_expr(not ONE):
                         part = part * self.num_splits + Int64(split)
                     lses[part] = lse_c[cq]
-        for c in cutlass.range_constexpr(C):  # consumer 0 stores its part, each other adds its own in turn
-            if wgc == c:
-                for mt in cutlass.range_constexpr(M_TILES):
-                    for e in cutlass.range_constexpr(cute.size(acc_o[mt])):
-                        n = t_co[e][1]
-                        d = self._dim(mt, t_co[e][0])
-                        if const_expr(c == 0):
-                            stg[n, d] = acc_o[mt][e] * fac[_col(e)]
-                        else:
-                            stg[n, d] = stg[n, d] + acc_o[mt][e] * fac[_col(e)]
-            cute.arch.barrier(barrier_id=END_BAR, number_of_threads=T)
+        if wgc == 0:
+            for mt in cutlass.range_constexpr(M_TILES):
+                for e in cutlass.range_constexpr(cute.size(acc_o[mt])):
+                    stg[t_co[e][1], self._dim(mt, t_co[e][0])] = acc_o[mt][e] * fac[_col(e)]
+        cute.arch.barrier(barrier_id=END_BAR, number_of_threads=256)
+        if wgc == 1:
+            for mt in cutlass.range_constexpr(M_TILES):
+                for e in cutlass.range_constexpr(cute.size(acc_o[mt])):
+                    n = t_co[e][1]
+                    d = self._dim(mt, t_co[e][0])
+                    stg[n, d] = stg[n, d] + acc_o[mt][e] * fac[_col(e)]
+        cute.arch.barrier(barrier_id=END_BAR, number_of_threads=256)
         if const_expr(self.cluster):
             self._cluster_merge(stg.iterator, STAGE_ROW, s_lse, ROWS, b, Int32(0), split, ctid, sinks_ptr, has_sinks,
                                 out_ptr, lse_ptr)
@@ -602,8 +568,8 @@ class MlaNarrowKernel(MlaSplitKernel):
         if const_expr(not ONE):
             o_base = part_o_ptr.toint()
         chunk = cute.make_rmem_tensor((4,), Uint32)
-        for i in cutlass.range_constexpr(-(-(ROWS * DV // 8) // T)):
-            e = ctid + i * T
+        for i in cutlass.range_constexpr(ROWS * DV // 8 // 256):
+            e = ctid + i * 256
             row = e // (DV // 8)
             ch = e % (DV // 8)
             if row < self.rows:

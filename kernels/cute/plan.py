@@ -48,7 +48,6 @@ MLA_FP8_LAG = 2  # mla.py, float8 cache: tiles in flight while a third is widene
 # rows or 5 of float8 ones (what shared memory holds beside Q and P)
 MLA_NARROW_TILE = dict(block_m=16, block_n=64, num_stages=2, num_warps=12)
 MLA_NARROW_FP8_STAGES = 5
-MLA_NARROW_WARPS = (12, 16)  # a producer warpgroup and 2 or 3 consumer warpgroups, which take turns at the tiles
 # mla.py and mla_seesaw.py: 2 to MLA_CLUSTER_SPLITS splits of a row block run as one thread-block cluster and
 # merge there through distributed shared memory (no scratch, no merge kernel): mla_cluster_merge. The kernels
 # merge clusters of up to 8; the plan takes pairs only (h200.md, "Session 56": 2 splits 1.02-1.07x the merge
@@ -81,13 +80,11 @@ def plan(problem: Problem, **tiles) -> Plan:
 
         rows = problem.q_len * problem.num_q_heads
         if (rows > out.block_m or out.block_n != MLA_NARROW_TILE["block_n"]
-                or out.num_warps not in MLA_NARROW_WARPS
-                or mla_narrow_geometry(fp8=problem.kv_dtype == FP8, stages=out.num_stages,
-                                       consumers=out.num_warps // 4 - 1) is None):
+                or out.num_warps != MLA_NARROW_TILE["num_warps"]
+                or mla_narrow_geometry(fp8=problem.kv_dtype == FP8, stages=out.num_stages) is None):
             raise ValueError("paged_attention: the cute family's narrow MLA kernel (block_m=16) takes at most 16 "
-                             "query rows a request (q_len x heads) in 64-key tiles with num_warps 12 or 16 (2 or 3 "
-                             "consumer warpgroups), and as many stages as its shared memory holds (2 for a 16-bit "
-                             "cache, 5 for float8); got "
+                             "query rows a request (q_len x heads) in 64-key tiles with num_warps=12, and as many "
+                             "stages as its shared memory holds (2 for a 16-bit cache, 5 for float8); got "
                              f"{rows} rows, block_n={out.block_n}, num_stages={out.num_stages}, "
                              f"num_warps={out.num_warps}")
         return out

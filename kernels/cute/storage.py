@@ -138,10 +138,10 @@ def mla_seesaw_storage(*, block_m: int, d: int, tile_n: int):
 
 
 @functools.cache
-def mla_narrow_storage(*, rows: int, d: int, tile_bytes: int, stages: int, consumers: int):
+def mla_narrow_storage(*, rows: int, d: int, tile_bytes: int, stages: int):
     """mla_narrow.py's shared memory: the ring of `stages` latent tiles of `tile_bytes` each (64 keys: 16-bit
-    rows in the 128-byte swizzle, or float8 rows 608 bytes apart), the Q tile (rows x d, 16-bit), each of the
-    `consumers` warpgroups' P^T (rows x 64 keys, 16-bit), all 1024-byte aligned; 3 x stages mbarriers (K full and empty are
+    rows in the 128-byte swizzle, or float8 rows 608 bytes apart), the Q tile (rows x d, 16-bit), each consumer
+    warpgroup's P^T (rows x 64 keys, 16-bit), all 1024-byte aligned; 3 x stages mbarriers (K full and empty are
     used: common.full_barrier, empty_barrier); each consumer's per-warp column maxima of its last two tiles
     (`red`), and at the end its running maxima and per-warp sums (`fin`). The epilogue stages the output rows
     (rows x 516 fp32) in the ring, free by then."""
@@ -151,9 +151,9 @@ def mla_narrow_storage(*, rows: int, d: int, tile_bytes: int, stages: int, consu
     class SharedStorage:
         kv: Align[MemRange[Uint8, stages * tile_bytes], 1024]
         q: Align[MemRange[Uint16, rows * d], 1024]
-        p: Align[MemRange[Uint16, consumers * rows * 64], 1024]
+        p: Align[MemRange[Uint16, 2 * rows * 64], 1024]
         mbar: MemRange[Int64, 3 * stages]
-        red: Align[MemRange[Float32, consumers * 2 * 4 * rows], 16]
-        fin: Align[MemRange[Float32, consumers * 5 * rows], 16]
+        red: Align[MemRange[Float32, 2 * 2 * 4 * rows], 16]
+        fin: Align[MemRange[Float32, 2 * 5 * rows], 16]
 
     return SharedStorage
