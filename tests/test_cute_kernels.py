@@ -735,8 +735,8 @@ MLA_VARIANTS = {"plan": {}, "one_split": dict(num_splits=1), "splits2": dict(num
                 "narrow": dict(block_m=16, num_splits=3), "narrow_one_split": dict(block_m=16, num_splits=1),
                 "narrow_pair": dict(block_m=16, num_splits=2), "narrow_cluster3": dict(block_m=16, num_splits=3)}
 # the variants whose splits merge in their cluster only with a plan constant raised (kernels/cute/plan.py)
-MLA_CLUSTER_PATCH = {"cluster3": ("MLA_CLUSTER_SPLITS", 8), "narrow_pair": ("MLA_NARROW_CLUSTER_SPLITS", 2),
-                     "narrow_cluster3": ("MLA_NARROW_CLUSTER_SPLITS", 8)}
+MLA_CLUSTER_PATCH = {"cluster3": dict(MLA_CLUSTER_SPLITS=8, MLA_NARROW_CLUSTER_SPLITS=8),
+                     "narrow_pair": dict(MLA_NARROW_CLUSTER_SPLITS=2), "narrow_cluster3": dict(MLA_NARROW_CLUSTER_SPLITS=8)}
 
 
 def _mla_overrides(variant, kw):
@@ -762,7 +762,8 @@ def test_gpu_cute_mla_matches_reference(name, kw, options, variant, monkeypatch)
     from b12x_inductor.kernels.cute import tma_box
 
     if variant in MLA_CLUSTER_PATCH:
-        monkeypatch.setattr(cute_plan, *MLA_CLUSTER_PATCH[variant])
+        for name, value in MLA_CLUSTER_PATCH[variant].items():
+            monkeypatch.setattr(cute_plan, name, value)
     if variant.startswith("seesaw") and not tma_box(page=kw["page_size"], tile_n=64):
         pytest.skip("the seesaw kernel loads by TMA only (pages of 8 to 256 keys that divide 64 or that 64 divides)")
     if variant.startswith("seesaw") and kw.get("kv_dtype") == F8:
@@ -795,7 +796,8 @@ def test_gpu_cute_mla_cuda_graph_replay(q_len, heads, split_q, fp8, variant, mon
     from b12x_inductor.kernels.cute import plan as cute_plan
 
     if variant in MLA_CLUSTER_PATCH:
-        monkeypatch.setattr(cute_plan, *MLA_CLUSTER_PATCH[variant])
+        for name, value in MLA_CLUSTER_PATCH[variant].items():
+            monkeypatch.setattr(cute_plan, name, value)
     if fp8 and variant.startswith("seesaw"):
         pytest.skip("a float8 cache runs on mla.py or mla_narrow.py")
     kw = dict(MLA, batch=3, q_len=q_len, hq=heads, page_size=64, lens=[500, 260, 70], spare_pages=4,

@@ -365,8 +365,8 @@ def test_gpu_mla_compile_reduce_overhead_no_skip_no_recompile(case):
 def test_gpu_mla_compile_reduce_overhead_cluster_pair(heads, kv_dtype, monkeypatch, request):
     """The decode loop where the plan splits each row block's keys in two (rows of 512 keys): with the CuTe
     family, a cluster pair that merges in shared memory (plan.mla_cluster_merge: no scratch, no merge kernel);
-    no cudagraph skip, one graph. 128 heads: mla.py; 16 heads over a float8 cache: the narrow kernel, whose pairs
-    are taken here where the plan does not take them yet (MLA_NARROW_CLUSTER_SPLITS)."""
+    no cudagraph skip, one graph. 128 heads: mla.py; 16 heads over a float8 cache: the narrow kernel (its pairs
+    taken even where MLA_NARROW_CLUSTER_SPLITS says otherwise)."""
     from b12x_inductor import ops, validate
     from b12x_inductor.kernels.cute import plan as cute_plan
     from b12x_inductor.plan import select_plan

@@ -11,7 +11,7 @@ decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per 
 kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query rows or more per request with long splits
 (mla_plan), else mla.py (4 stages of 32 keys); a float8 latent cache on mla.py, or on the narrow kernel
 (mla_narrow.py, block_m 16: products transposed, 5 stages of 64 keys) where a request has at most 16 query rows;
-two splits of the 64-row kernels merge in their cluster (mla_cluster_merge), more in the merge kernel. The
+two splits merge in their cluster (mla_cluster_merge), more in the merge kernel. The
 choices and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL kernels", "Session 27", "Session
 29", "Session 33", "Session 34", "Session 36", "Session 38", "Session 55" and "Session 56".
 """
@@ -54,8 +54,8 @@ MLA_NARROW_FP8_STAGES = 5
 # kernel, 4 splits 0.69-0.70x, the clusters of four CTAs of a whole SM each not fitting the GPCs in one wave)
 MLA_CLUSTER_SPLITS = 2
 # mla_narrow.py merges its splits in their cluster too (mla.py's _cluster_merge on its staged fp32 rows); the plan
-# takes up to MLA_NARROW_CLUSTER_SPLITS of them (0: none, every split plan goes through the merge kernel)
-MLA_NARROW_CLUSTER_SPLITS = 0
+# takes pairs (h200.md, "Session 57": float8 H16 64x4096 1.03x the merge kernel on the H100)
+MLA_NARROW_CLUSTER_SPLITS = 2
 
 
 def plan(problem: Problem, **tiles) -> Plan:
@@ -196,7 +196,8 @@ def mla_cluster_merge(num_splits: int, block_m: int) -> bool:
     launch each row block's splits as one cluster, and its CTAs merge the partials through distributed shared
     memory into out and lse (mla.py, `_cluster_merge`); the plan then has no scratch. More splits write partials
     for the Triton merge kernel. Measured on an H100 against the merge kernel: MLA H128 32x4096 (seesaw, 2
-    splits) 1.07x, H16 64x4096 (mla.py, 2) 1.02x; H16 32x4096 (mla.py, 4) 0.70x."""
+    splits) 1.07x, H16 64x4096 (mla.py, 2) 1.02x; H16 32x4096 (mla.py, 4) 0.70x; float8 H16 64x4096
+    (mla_narrow.py, 2) 1.03x."""
     most = MLA_CLUSTER_SPLITS if block_m == MLA_TILE["block_m"] else MLA_NARROW_CLUSTER_SPLITS
     return 2 <= num_splits <= most
 
