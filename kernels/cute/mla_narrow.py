@@ -8,7 +8,9 @@ reads alone were 28 % of the float8 kernel's shared-memory wavefronts). Here S^T
 N = 16 query rows, K = 576) and O^T += V^T P^T (M = 64 of the 512 value columns, 8 products a tile, N = 16,
 K = 64 keys), so every product row is a real one. The problem, grid and outputs are mla.py's: D = 576 for q and
 k, Dv = 512, V the first 512 columns of K, one latent KV head, grid (splits, 1, B), one CTA per request and
-split; with several splits the partials go to the Triton merge kernel, with one the CTA writes `out` and `lse`.
+split; with one split the CTA writes `out` and `lse`, with two (plan.mla_cluster_merge) a request's splits are one
+cluster and merge through distributed shared memory (mla.py's `_cluster_merge`), with more the partials go to the
+Triton merge kernel.
 
 One CTA of three warpgroups:
 - warpgroup 0, the producer, loads tiles of 64 keys into a ring of `stages`: a 16-bit cache as mla.py does
