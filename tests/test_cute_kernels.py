@@ -620,18 +620,16 @@ def test_cute_mla_supports_and_plans(monkeypatch):
         row_blocks = -(-(p.q_len * p.num_q_heads) // 64)
         assert p.batch * row_blocks * plan.num_splits <= 2 * 132 or plan.num_splits == 1, plan
     assert family_plan(_problem(**{**mla, "batch": 128, "max_pages": 32}), "cute").scratch_bytes == 0  # 1 split
-    # 2 splits of the 64-row kernels merge in their cluster (no scratch); more, or the narrow kernel's (up to
-    # MLA_NARROW_CLUSTER_SPLITS of them merge in their cluster: none as measured so far), in the Triton merge
-    # kernel, from scratch
+    # 2 splits merge in their cluster (no scratch), the 64-row kernels' and the narrow kernel's; more in the
+    # Triton merge kernel, from scratch
     from b12x_inductor.kernels.cute import plan as cute_plan
 
     p, p16 = _problem(**{**mla, "batch": 2}), _problem(**{**mla, "batch": 2, "num_q_heads": 16})
     narrow = dict(block_m=16, block_n=64, num_stages=2, num_warps=12)
-    narrow_pairs = cute_plan.MLA_NARROW_CLUSTER_SPLITS >= 2
     for prob, tiles, cluster in ((p, dict(num_splits=2), True), (p, dict(num_splits=3), False),
                                  (p, dict(num_splits=8), False), (p, dict(num_splits=2, block_n=64, num_stages=2,
                                                                           num_warps=8), True),
-                                 (p16, dict(narrow, num_splits=2), narrow_pairs),
+                                 (p16, dict(narrow, num_splits=2), True),
                                  (p16, dict(narrow, num_splits=3), False)):
         plan = family_plan(prob, "cute", **tiles)
         assert plan.scratch_bytes == (0 if cluster else split_scratch_bytes(prob, plan.num_splits)), (tiles, plan)
@@ -722,11 +720,11 @@ MLA_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES
 ]
 # the plan (kernels/cute/plan.py's mla_plan); one split (the kernel writes out and lse itself, sink folded in);
 # 2 splits (merged in their cluster: plan.mla_cluster_merge); 3 (uneven ranges; partials and the Triton merge
-# kernel), and 3 merged in a cluster (MLA_CLUSTER_SPLITS raised: `_cluster_merge` takes up to 8, the plan pairs
+# kernel), and 3 merged in a cluster (the plan's constants raised: `_cluster_merge` takes up to 8, the plan pairs
 # only); each kernel asked for: the seesaw kernel (mla_seesaw.py, pages with 64-key TMA boxes only; also with 2
 # splits), mla.py's ring of 32-key tiles, and the narrow kernel (mla_narrow.py, at most 16 query rows a request;
 # its stages follow the cache: `_mla_overrides`), with 3 splits, with one, and with 2 and 3 merged in their
-# cluster (MLA_NARROW_CLUSTER_SPLITS raised: MLA_CLUSTER_PATCH)
+# cluster
 MLA_VARIANTS = {"plan": {}, "one_split": dict(num_splits=1), "splits2": dict(num_splits=2),
                 "splits3": dict(num_splits=3), "cluster3": dict(num_splits=3),
                 "seesaw": dict(block_n=64, num_stages=2, num_warps=8),
@@ -734,9 +732,11 @@ MLA_VARIANTS = {"plan": {}, "one_split": dict(num_splits=1), "splits2": dict(num
                 "ring32": dict(block_n=32, num_stages=4, num_warps=12, block_m=64),
                 "narrow": dict(block_m=16, num_splits=3), "narrow_one_split": dict(block_m=16, num_splits=1),
                 "narrow_pair": dict(block_m=16, num_splits=2), "narrow_cluster3": dict(block_m=16, num_splits=3)}
-# the variants whose splits merge in their cluster only with a plan constant raised (kernels/cute/plan.py)
+# the plan constants (kernels/cute/plan.py) each cluster variant sets, so that its splits merge in their cluster
+# whatever the plan takes
 MLA_CLUSTER_PATCH = {"cluster3": dict(MLA_CLUSTER_SPLITS=8, MLA_NARROW_CLUSTER_SPLITS=8),
-                     "narrow_pair": dict(MLA_NARROW_CLUSTER_SPLITS=2), "narrow_cluster3": dict(MLA_NARROW_CLUSTER_SPLITS=8)}
+                     "narrow_pair": dict(MLA_NARROW_CLUSTER_SPLITS=2),
+                     "narrow_cluster3": dict(MLA_NARROW_CLUSTER_SPLITS=8)}
 
 
 def _mla_overrides(variant, kw):
