@@ -102,6 +102,13 @@ PRODUCER_BAR = 9  # float8 cache: the producer's 128 threads hold a tile's float
 RESCALE_LOG2 = 8.0  # the running max moves only by more than 2^8 (online_softmax): O is rarely rescaled
 
 
+def cluster_flag(cluster: bool, num_splits: int) -> bool:
+    """An MLA kernel's `cluster` (the splits of a row block are one thread-block cluster and merge there:
+    `MlaSplitKernel._cluster_merge`), checked: a cluster merges 2 to 8 splits (a portable cluster size)."""
+    assert not cluster or 2 <= num_splits <= 8, "a cluster merges 2 to 8 splits (a portable cluster size)"
+    return cluster
+
+
 class MlaSplitKernel:
     """The MLA split kernel for one set of compile-time constants (see `mla_geometry` in __init__.py). Its host
     launch (`__call__`: the TMA atom where pages have a box, then the grid) serves the seesaw kernel too, with
@@ -110,8 +117,7 @@ class MlaSplitKernel:
     def __init__(self, *, s: int, hq: int, page: int, num_splits: int, tile_n: int, stages: int, q_dtype,
                  causal: bool, use_softcap: bool, kv_dtype=None, cluster: bool = False):
         self.s, self.hq, self.page, self.num_splits = s, hq, page, num_splits
-        self.cluster = cluster  # the splits of a row block are one cluster and merge there (_cluster_merge)
-        assert not cluster or 2 <= num_splits <= 8, "a cluster merges 2 to 8 splits (a portable cluster size)"
+        self.cluster = cluster_flag(cluster, num_splits)
         self.tile_n, self.stages, self.dtype = tile_n, stages, q_dtype
         self.causal, self.use_softcap = causal, use_softcap
         self.fp8 = kv_dtype is not None and kv_dtype.width == 8

@@ -58,7 +58,7 @@ from b12x_inductor.kernels.cute.common import (NEG_BIG, PageRow, empty_barrier, 
                                                live_range, logit, output_factor, release_phase, scales,
                                                split_keys, stage_phase, visible)
 from b12x_inductor.kernels.cute.mla import (CHUNKS, CHUNKS8, RESCALE_LOG2, MlaSplitKernel, _chunk, _chunks_view,
-                                            _moved, _with_stage_stride, query_parts)
+                                            _moved, _with_stage_stride, cluster_flag, query_parts)
 from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, pack2, prmt
 
 THREADS = 384  # producer warpgroup + two consumer warpgroups
@@ -87,8 +87,7 @@ class MlaNarrowKernel(MlaSplitKernel):
 
         assert tile_n == TILE_N and s * hq <= ROWS, (tile_n, s, hq)
         self.s, self.hq, self.page, self.num_splits = s, hq, page, num_splits
-        self.cluster = cluster  # a request's splits are one cluster and merge there (mla.py's _cluster_merge)
-        assert not cluster or 2 <= num_splits <= 8, "a cluster merges 2 to 8 splits (a portable cluster size)"
+        self.cluster = cluster_flag(cluster, num_splits)
         self.tile_n, self.stages, self.dtype = tile_n, stages, q_dtype
         self.causal, self.use_softcap = causal, use_softcap
         self.fp8 = kv_dtype is not None and kv_dtype.width == 8

@@ -54,7 +54,7 @@ from b12x_inductor.kernels.cute import MLA_D as D
 from b12x_inductor.kernels.cute import tma, tma_box
 from b12x_inductor.kernels.cute.common import NEG_BIG, LOG2E, PageRow, live_range, split_keys
 from b12x_inductor.kernels.cute.mla import (HALF, RESCALE_LOG2, SLABS, SUM_BAR, MlaSplitKernel, _moved,
-                                            _scale_rows, _with_stage_stride, query_parts)
+                                            _scale_rows, _with_stage_stride, cluster_flag, query_parts)
 from b12x_inductor.kernels.cute.softmax import online_softmax
 
 THREADS = 256  # two warpgroups, both consumers; warp 0 of each issues its refills
@@ -79,8 +79,7 @@ class MlaSeesawKernel(MlaSplitKernel):
         assert (tile_n, stages) == (TILE_N, 2), "the seesaw kernel's tile is 2 buffers of 64 keys"
         assert kv_dtype is None or kv_dtype is q_dtype, "the seesaw kernel reads a 16-bit cache in q's dtype"
         self.s, self.hq, self.page, self.num_splits = s, hq, page, num_splits
-        self.cluster = cluster  # mla.py's _cluster_merge
-        assert not cluster or 2 <= num_splits <= 8, "a cluster merges 2 to 8 splits (a portable cluster size)"
+        self.cluster = cluster_flag(cluster, num_splits)
         self.tile_n, self.stages, self.dtype = TILE_N, 2, q_dtype
         self.fp8, self.mdt = False, q_dtype
         self.causal, self.use_softcap = causal, use_softcap
