@@ -187,7 +187,8 @@ def mla_narrow_geometry(*, fp8: bool, stages: int) -> dict | None:
     from .storage import mla_narrow_storage
 
     tile_bytes = TILE_N * (FP8_ROW if fp8 else MLA_D * 2)
-    if stages < 2 or stages * tile_bytes < ROWS * STAGE_ROW * 4:  # the epilogue stages the output in the ring
+    # the epilogue stages the output rows in the ring (fp32), then a cluster's log2-sum-exp and split weights (8)
+    if stages < 2 or stages * tile_bytes < ROWS * (STAGE_ROW + 1 + 8) * 4:
         return None
     storage = mla_narrow_storage(rows=ROWS, d=MLA_D, tile_bytes=tile_bytes, stages=stages)
     smem_bytes = storage.size_in_bytes()

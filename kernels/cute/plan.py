@@ -13,7 +13,7 @@ kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query rows or more
 (mla_narrow.py, block_m 16: products transposed, 5 stages of 64 keys) where a request has at most 16 query rows;
 two splits merge in their cluster (mla_cluster_merge), more in the merge kernel. The
 choices and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL kernels", "Session 27", "Session
-29", "Session 33", "Session 34", "Session 36", "Session 38", "Session 55" and "Session 56".
+29", "Session 33", "Session 34", "Session 36", "Session 38", "Session 55", "Session 56" and "Session 57".
 """
 
 from __future__ import annotations
