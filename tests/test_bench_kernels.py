@@ -107,6 +107,18 @@ def test_dry_run_main(cpu_bench, tmp_path):
     assert doc["shape"] == dict(hq=32, hkv=8, d=128, page_size=16)
 
 
+def test_dry_run_packed_extend(cpu_bench, tmp_path):
+    """--packed: extend rows also time b12x-packed (q packed [B x S, Hq, D] with cu_seqlens_q), checked against
+    the reference like b12x; other rows say it is n/a."""
+    argv = ["--rows", "extend,verify", "--sizes", "2x128", "--head-dim", "64", "--peers", "", "--packed",
+            "--out", str(tmp_path), "--tag", "p"]
+    cpu_bench.main(argv)
+    rows = {r["row"]: r for r in json.loads((tmp_path / "kernels_p.json").read_text())["rows"]}
+    packed = rows["extend 2x128 D64"]["impls"]["b12x-packed"]
+    assert packed["us"] > 0 and packed["max_err"] < 0.05 and "tflops" in packed
+    assert "b12x-packed" not in rows["verify 2x128 D64"]["impls"]
+
+
 @pytest.mark.parametrize("shape,mode,q_len", [(kernels.GPT_OSS_SWA, "decode", 1), (kernels.GPT_OSS_FULL, "verify", 4)])
 def test_reference_check_sees_window_and_sinks(cpu_bench, shape, mode, q_len):
     """The check passes b12x's output and fails a corrupted one, one without the sinks and one without the

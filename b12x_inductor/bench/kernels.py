@@ -39,7 +39,8 @@ Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8
 side), --variants (tuning: other plan constants), --head-dim (D of the default rows, default 128), --page-size
 (keys per page of every row, default 16), --extend-rows (other default extend rows, 'BxL[:S],...': S new tokens
 on L keys, a chunked prefill when S < L), --sizes BxL (dry run: every row that size, duplicates dropped),
---flex-rows (only these row labels get FlexAttention), --tag (JSON/PNG name), --profile (no timing: after its
+--flex-rows (only these row labels get FlexAttention), --packed (extend rows also time "b12x-packed": the op on q
+packed [B x S, Hq, D] with cu_seqlens_q, as the serving engine calls extend), --tag (JSON/PNG name), --profile (no timing: after its
 reference check each implementation runs once more inside an NVTX range named after it, for
 `ncu --nvtx --nvtx-include "b12x-cute/" python -m b12x_inductor.bench ... --profile`),
 --warm-peers (JIT-build FlashInfer's modules for the selected rows and exit).
@@ -427,6 +428,26 @@ def b12x_call(s, shape, mode, variant=None, family=None):
     return call, lambda: out
 
 
+def b12x_packed_call(s, shape, mode):
+    """The public op on the row's requests packed: q as [B x S, Hq, D] (a view of the same rows) with
+    cu_seqlens_q (every request S new tokens), as the serving engine calls extend; out viewed back as
+    [B, S, Hq, D]."""
+    import b12x_inductor as b12x
+
+    if mode != "extend":
+        raise Unable("packed q is timed on extend rows only")
+    batch, q_len = s["q"].shape[:2]
+    q = s["q"].reshape(batch * q_len, shape.hq, shape.d)
+    cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q)
+
+    def call():
+        b12x.paged_attention(q, s["k_cache"], s["v_cache"], s["page_table"], s["cache_seqlens"], cu,
+                             window_left=shape.window_left, sinks=s["sinks"], k_descale=s["k_descale"],
+                             v_descale=s["v_descale"], out=out)
+    return call, lambda: out.view(batch, q_len, shape.hq, shape.d)
+
+
 def _cute_check(problem):
     from b12x_inductor.kernels import cute
 
@@ -609,13 +630,15 @@ def row_metrics(shape, mode, batch, length, q_len, kv_dtype, us):
     return dict(tbps=(kv_bytes + q_bytes) / (us * 1e-6) / 1e12)
 
 
-def run_row(row, peers, variants, bw, families=()):
+def run_row(row, peers, variants, bw, families=(), packed=False):
     label, shape, mode = row.label, row.shape, row.mode
     batch, length, q_len, kv_dtype = row.batch, row.length, row.q_len, row.kv_dtype
     touched = batch * keys_seen(shape, length, q_len) * shape.hkv * shape.d * 2 * kv_dtype.itemsize
     n_sets = 2 if DEVICE == "cpu" else min(MAX_SETS, max(2, math.ceil(2 * L2_BYTES / touched)))
     sets = [make_set(shape, mode, batch, length, q_len, kv_dtype, seed=17 * i + batch) for i in range(n_sets)]
     impls = [("b12x", lambda s, sh, m: b12x_call(s, sh, m))] + peers_for(shape, mode, kv_dtype, peers)
+    if packed and mode == "extend":
+        impls.append(("b12x-packed", b12x_packed_call))
     for fam in families:
         impls.append((f"b12x-{fam}", lambda s, sh, m, fam=fam: b12x_call(s, sh, m, family=fam)))
     for fam, v in variants:
@@ -732,6 +755,8 @@ def main(argv) -> None:
                     "(S new tokens on L keys; default S = L)")
     ap.add_argument("--profile", action="store_true", help="no timing: each implementation runs once more "
                     "inside an NVTX range named after it (for ncu --nvtx --nvtx-include 'b12x-cute/')")
+    ap.add_argument("--packed", action="store_true", help="extend rows also time b12x-packed: the op with q "
+                    "packed [B x S, Hq, D] and cu_seqlens_q, as the serving engine calls it")
     ap.add_argument("--sizes", default="", help="dry run: B x L overrides, e.g. 2x64 (all rows that size)")
     args = ap.parse_args(argv)
     globals()["PROFILE"] = args.profile
@@ -789,7 +814,7 @@ def main(argv) -> None:
         row_peers = peers
         if flex_rows and row.label not in flex_rows:
             row_peers = peers - {"flex"}
-        results.append(run_row(row, row_peers, sweep, bw, families))
+        results.append(run_row(row, row_peers, sweep, bw, families, args.packed))
     os.makedirs(args.out, exist_ok=True)
     doc = dict(versions=versions, copy_bandwidth_tbps=bw, copy_bandwidth_by_method=bw_all, argv=list(argv),
                shape=dict(hq=default_shape.hq, hkv=default_shape.hkv, d=default_shape.d,
