@@ -221,6 +221,10 @@ EXTEND_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CAS
     ("extend_packed_d64_g8_features", dict(batch=3, hq=16, hkv=2, d=64, page_size=16, packed=True,
                                            lens=[900, 333, 640], q_lens=[500, 333, 1], kv_start=True, sinks=True,
                                            nan_unused=True), dict(window_left=200, softcap=20.0)),
+    # the same at 4D q: row tiles end on a request's last row (450 rows: 4 of 128 from row -62, 3 of 192 from -126)
+    ("extend_4d_d64_g8_features", dict(batch=2, q_len=450, hq=16, hkv=2, d=64, page_size=16, lens=[450, 1200],
+                                       kv_start=True, sinks=True, nan_unused=True),
+     dict(window_left=200, softcap=20.0)),
 ]
 EXTEND_VARIANTS = {"plan": {}, "stages2": dict(num_stages=2), "n64_stages4": dict(block_n=64, num_stages=4),
                    "n48_stages3": dict(block_n=48, num_stages=3),  # D 256 only

@@ -40,10 +40,10 @@ side), --variants (tuning: other plan constants), --head-dim (D of the default r
 (keys per page of every row, default 16), --extend-rows (other default extend rows, 'BxL[:S],...': S new tokens
 on L keys, a chunked prefill when S < L), --sizes BxL (dry run: every row that size, duplicates dropped),
 --flex-rows (only these row labels get FlexAttention), --packed (extend rows also time "b12x-packed": the op on q
-packed [B x S, Hq, D] with cu_seqlens_q, as the serving engine calls extend), --tag (JSON/PNG name), --profile (no timing: after its
-reference check each implementation runs once more inside an NVTX range named after it, for
-`ncu --nvtx --nvtx-include "b12x-cute/" python -m b12x_inductor.bench ... --profile`),
---warm-peers (JIT-build FlashInfer's modules for the selected rows and exit).
+packed [B x S, Hq, D] with cu_seqlens_q, as the serving engine calls extend), --tag (JSON/PNG name), --profile (no
+timing: after its reference check each implementation runs once more inside an NVTX range named after it, for
+`ncu --nvtx --nvtx-include "b12x-cute/" python -m b12x_inductor.bench ... --profile`), --warm-peers (JIT-build
+FlashInfer's modules for the selected rows and exit).
 B12X_BENCH_DEVICE=cpu runs the harness on the CPU (a dry run: the b12x op runs its torch family, wall-clock
 timing, no bandwidth figure).
 """

@@ -145,21 +145,26 @@ EXTEND_BLOCK_M = _plan.EXTEND_BLOCK_M  # extend.py: query rows per CTA (two cons
 
 
 def extend_geometry(*, d: int, tile_n: int, stages: int, block_m: int = EXTEND_BLOCK_M) -> dict | None:
-    """The extend kernel's shared memory (extend.py), or None where the configuration does not fit: a Q tile
-    of block_m x D and `stages` K and V tiles of tile_n x D, 16-bit, 1024-byte aligned for the 128-byte
-    swizzle, plus 3 x stages mbarriers (`storage`: storage.extend_storage; `smem_bytes` its size). None too
-    for rows extend.py does not take at this D (plan.extend_rows_fit: 192 only up to D 64)."""
+    """The extend kernel's shared memory (extend.py), or None where the configuration does not fit: `q_bufs`
+    Q tiles of block_m x D (two where they fit beside the ring: D 64; else one) and `stages` K and V tiles of
+    tile_n x D, 16-bit, 1024-byte aligned for the 128-byte swizzle, plus 3 x stages mbarriers (`storage`:
+    storage.extend_storage; `smem_bytes` its size). None too for rows extend.py does not take at this D
+    (plan.extend_rows_fit: 192 only up to D 64)."""
     if d not in EXTEND_HEAD_DIMS or tile_n % 16 or not 16 <= tile_n <= 256 or stages < 2:
         return None
     if not _plan.extend_rows_fit(block_m, d):
         return None
     from .storage import extend_storage
 
-    storage = extend_storage(block_m=block_m, d=d, tile_n=tile_n, stages=stages)
-    smem_bytes = storage.size_in_bytes()
-    if smem_bytes > SMEM_LIMIT:
-        return None
-    return dict(d=d, tile_n=tile_n, stages=stages, chunks=d // 8, storage=storage, smem_bytes=smem_bytes)
+    # two Q tiles where they fit beside the ring (each consumer loads the next item's Q rows a whole item ahead),
+    # else one (loaded once the item's last S = Q K^T is done)
+    for q_bufs in (2, 1):
+        storage = extend_storage(block_m=block_m, d=d, tile_n=tile_n, stages=stages, q_bufs=q_bufs)
+        smem_bytes = storage.size_in_bytes()
+        if smem_bytes <= SMEM_LIMIT:
+            return dict(d=d, tile_n=tile_n, stages=stages, chunks=d // 8, storage=storage, smem_bytes=smem_bytes,
+                        q_bufs=q_bufs)
+    return None
 
 
 

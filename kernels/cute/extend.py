@@ -2,13 +2,18 @@
 
 A work item is BM consecutive new tokens of one request and one query head (the plan's block_m: 128, or 192 at
 D <= 64 as FlashAttention-3's tile there); items are ordered as the Triton extend kernel's grid (Hq, tiles) (same
-tile map, same three key ranges, same masks). The kernel is persistent: min(items, SMs) CTAs of a producer
+three key ranges, same masks). Its tile map is the Triton kernel's but for 4D q, whose row tiles end on a
+request's last row: the one partial tile (S not a multiple of BM) is a request's first, which sees the fewest
+keys, where the Triton kernel's is its last, which sees the most (tile mt holds rows mt x BM - pad ..; the rows
+below 0 read zeros and are not stored). The kernel is persistent: min(items, SMs) CTAs of a producer
 warpgroup and NC = BM / 64 consumer warpgroups (one CTA fits an SM), CTA c taking one item per round of
 CTAs items, in snake order (`_item`: round r's items run forward for even r and backward for odd r, so the CTA
 that takes a round's longest item takes the next round's shortest; a partial last round runs forward).
 The K/V ring, its barrier phases and the consumers' GEMM turns run on across a CTA's items, so the producer
-loads the next item's first tiles while the consumers finish the last one, and each consumer warpgroup
-issues its next Q rows as soon as its last S = Q K^T is done (before its last P V and its epilogue):
+loads the next item's first tiles while the consumers finish the last one. Each consumer warpgroup issues its
+next item's Q rows a whole item ahead, into the second of two Q tiles where shared memory holds two (D 64), else
+as soon as its last S = Q K^T is done (before its last P V and its epilogue); for 4D q it reads the next item's
+live length (and kv_start) an item ahead too, so no load of the item's start waits at its first tile:
 
 - warpgroup 0, the producer (after setmaxnreg 56 registers, 32 beside three consumers), loads each BN-key
   tile into a STAGES-deep ring of shared-memory buffers, first K, then V, and never waits on its own loads,
@@ -60,11 +65,11 @@ request on the device from cu_seqlens_q, and the items left over write zeros and
 rows.
 
 What limits it (benchmarks/results/h200.md, "CuTe DSL extend", "Session 33" and "Session 35"): 419-593 TFLOP/s at
-D 128, page 16, with TMA; the short prefills keep a cost per item (its first S and last P V not overlapped, its Q
-wait), and the static item order leaves some imbalance between CTAs (the plain order c, c + CTAs, ... computes to
-up to 3.1 % over the mean at 1x16384 and 4x4096, the snake order to 0.1-0.3 %). Before TMA (405-461), Nsight
-Compute had each consumer warpgroup spending about half its time in the softmax, most of it issuing MUFU.EX2
-(the SFU is shared with the other warpgroup's softmax on the same SM sub-partition).
+D 128, page 16, with TMA; the short prefills keep a cost per item (its first S and last P V not overlapped), and
+the static item order leaves some imbalance between CTAs (the plain order c, c + CTAs, ... computes to up to 3.1 %
+over the mean at 1x16384 and 4x4096, the snake order to 0.1-0.3 %). Before TMA (405-461), Nsight Compute had each
+consumer warpgroup spending about half its time in the softmax, most of it issuing MUFU.EX2 (the SFU is shared with
+the other warpgroup's softmax on the same SM sub-partition).
 """
 
 from __future__ import annotations
@@ -108,9 +113,14 @@ class ExtendKernel:
         self.turn_bar = 1 + self.nc
         self.block_m = block_m
         self.tiles = (-(-s // block_m) + batch) if packed else batch * -(-s // block_m)
+        # 4D q: a request's row tiles end on its last row, so the one partial tile (S not a multiple of block_m)
+        # is its first, which sees the fewest keys: tile mt holds rows mt x block_m - pad .. (rows below 0 are
+        # not loaded, computed on zeros and not stored). Packed q: tiles start on a request's first row.
+        self.pad = 0 if packed else -(-s // block_m) * block_m - s
         self.items = hq * self.tiles  # work items: (query head, row tile), item = hq + Hq x tile
         self.ctas = min(self.items, sm_count) if sm_count > 0 else self.items  # persistent: one CTA per SM
         self.box = tma_box(page=page, tile_n=tile_n)
+        self.keys_ahead = not packed  # 4D q: an item's live length is read an item ahead (its request is arithmetic)
 
     @cute.jit
     def __call__(
@@ -186,15 +196,15 @@ class ExtendKernel:
         return b, mt, n_b, row0, pad_from
 
     @cute.jit
-    def _key_range(self, seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, has_kv_start: Int32, b: Int32,
-                   mt: Int32, n_b: Int32, window_left: Int32, cap: Int32):
-        """(length, start, lo, hi, full_lo, full_hi, n_tiles): the keys row tile mt of request b sees, read on
-        the device as the Triton extend kernel reads them: the request's live length and first visible key, the
-        tile's key range [lo, hi) (lo on a TMA box boundary where the keys that adds are the request's), the
-        range [full_lo, full_hi) every row of the tile sees whole, and the range's BN-key tile count."""
-        length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
-        c_min = length - n_b + mt * self.block_m
-        c_max = length - n_b + cutlass.min(mt * self.block_m + self.block_m, n_b) - 1
+    def _key_range(self, length: Int32, start: Int32, mt: Int32, n_b: Int32, window_left: Int32):
+        """(lo, hi, full_lo, full_hi, n_tiles): the keys row tile mt sees of a request of live length `length`
+        and first visible key `start` (common.live_range, read on the device as the Triton extend kernel reads
+        them) and n_b new tokens: the tile's key range [lo, hi) (lo on a TMA box boundary where the keys that
+        adds are the request's), the range [full_lo, full_hi) every row of the tile sees whole, and the range's
+        BN-key tile count."""
+        first = mt * self.block_m - self.pad  # the tile's first row (below 0: rows the tile does not hold)
+        c_min = length - n_b + cutlass.max(first, Int32(0))
+        c_max = length - n_b + cutlass.min(first + self.block_m, n_b) - 1
         lo = start
         full_lo = start
         if const_expr(self.use_window):
@@ -212,7 +222,7 @@ class ExtendKernel:
             hi = cutlass.min(hi, c_max + 1)
             full_hi = cutlass.min(full_hi, c_min + 1)
         n_tiles = (cutlass.max(hi - lo, Int32(0)) + self.tile_n - 1) // self.tile_n
-        return length, start, lo, hi, full_lo, full_hi, n_tiles
+        return lo, hi, full_lo, full_hi, n_tiles
 
     @cute.jit
     def _chunk(self, base: cute.Tensor, row: Int32, ch: Int32):
@@ -252,13 +262,13 @@ class ExtendKernel:
                 (stages, SLABS, rows // 8, 8, 8, 8),
                 stride=(rows * D, rows * 64, 512, 64, 8, 1)))
 
-        wQ = chunks_view(q_tile, self.block_m, 1)
+        wQ = chunks_view(q_tile, self.block_m, self.q_bufs)
         wK = chunks_view(ring, BN, NS)
         wV = chunks_view(ring + NS * kv_elems, BN, NS)
 
         mma_qk = self._mma_qk()
         mma_pv = self._mma_pv()
-        lq = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.block_m, BN, D), dt, 1)
+        lq = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.block_m, BN, D), dt, self.q_bufs)
         lk = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.block_m, BN, D), dt, NS)
         lv = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (self.block_m, D, BN), dt, NS)
         sQ = cute.make_tensor(cute.recast_ptr(q_tile, lq.inner, dtype=dt), lq.outer)
@@ -292,8 +302,8 @@ class ExtendKernel:
                 hq = item % self.hq
                 b, mt, n_b, row0, pad_from = self._tile_map(cu_ptr, item // self.hq)
                 if pad_from < 0:
-                    length, start, lo, hi, full_lo, full_hi, n_tiles = self._key_range(
-                        seqlens_ptr, kv_start_ptr, has_kv_start, b, mt, n_b, window_left, cap)
+                    length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
+                    lo, hi, full_lo, full_hi, n_tiles = self._key_range(length, start, mt, n_b, window_left)
                     self._produce(tidx, b, hq // self.g, lo, hi, length, n_tiles, done, k_ptr, v_ptr, pt_ptr, k_sp,
                                   k_so, k_sh, v_sp, v_so, v_sh, pt_sb, num_pages, wK, wV, mbar, ring, tma_k, m_k,
                                   tma_v, m_v)
@@ -324,7 +334,13 @@ class ExtendKernel:
             if wgc == self.nc - 1:
                 self._pass_turn(wgc)
             done = Int32(0)
-            q_pending = self._issue_q(q_ptr, cu_ptr, cta, q_sb, q_ss, q_sh, ctid, wgc, wQ)  # the first item's Q
+            qs = Int32(0)  # the Q tile of this warpgroup's next item (toggles after each item with two tiles)
+            pre_length = Int32(0)  # 4D q: the next item's live length and first visible key, read an item ahead
+            pre_start = Int32(0)
+            if const_expr(self.keys_ahead):
+                pre_length, pre_start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start,
+                                                   (cta // self.hq) % self.batch, cap)
+            q_pending = self._issue_q(q_ptr, cu_ptr, cta, q_sb, q_ss, q_sh, ctid, wgc, wQ, qs)  # the first item's Q
             for k in cutlass.range(cta, self.items, self.ctas, unroll=1):
                 item = self._item(k, cta)
                 hq = item % self.hq
@@ -333,11 +349,24 @@ class ExtendKernel:
                 if pad_from >= 0:
                     self._pad_rows(out_ptr, lse_rows, hq, pad_from, ctid)
                 else:
-                    length, start, lo, hi, full_lo, full_hi, n_tiles = self._key_range(
-                        seqlens_ptr, kv_start_ptr, has_kv_start, b, mt, n_b, window_left, cap)
+                    length, start = pre_length, pre_start
+                    if const_expr(not self.keys_ahead):
+                        length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
+                    lo, hi, full_lo, full_hi, n_tiles = self._key_range(length, start, mt, n_b, window_left)
                     if q_pending == 0:  # not issued ahead: the previous item was a padding one
-                        q_pending = self._issue_q(q_ptr, cu_ptr, item, q_sb, q_ss, q_sh, ctid, wgc, wQ)
+                        q_pending = self._issue_q(q_ptr, cu_ptr, item, q_sb, q_ss, q_sh, ctid, wgc, wQ, qs)
                     self._wait_q(wgc)
+                    nxt = self._item(k + self.ctas, cta)  # this CTA's next item (past the items after its last)
+                    if const_expr(self.q_bufs == 2):
+                        # the other Q tile was last read by the item before this one, whose products are all done
+                        # (every thread of this warpgroup passed _wait_q's barrier): the next item's Q rows go in
+                        # now, a whole item ahead
+                        q_pending = self._issue_q(q_ptr, cu_ptr, nxt, q_sb, q_ss, q_sh, ctid, wgc, wQ, 1 - qs)
+                    if const_expr(self.keys_ahead):
+                        # the next item's live length and first key, read a whole item ahead (4D q: its request
+                        # is arithmetic; past the last item it is still a request of the batch)
+                        pre_length, pre_start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start,
+                                                           (nxt // self.hq) % self.batch, cap)
                     k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h,
                                               sm_scale, b, h)
                     acc_o.fill(0.0)
@@ -345,14 +374,14 @@ class ExtendKernel:
                         m_run[i] = Float32(NEG_BIG)
                         l_run[i] = Float32(0.0)
                         # causal limits of this thread's two rows (fragment rows r and r + 8)
-                        limit[i] = length - n_b + mt * self.block_m + t_cs[2 * i][0]
+                        limit[i] = length - n_b + mt * self.block_m - self.pad + t_cs[2 * i][0]
                     if n_tiles > 0:
                         # tile 0: scores and softmax; its P V is issued with the next tile's scores
                         cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, done % NS), stage_phase(done, NS))
                         cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
                         self._take_turn(wgc)
                         warpgroup.fence()
-                        self._scores(acc_s, tSrQ, tSrK, done % NS)
+                        self._scores(acc_s, tSrQ, tSrK, done % NS, qs)
                         self._pass_turn(wgc)
                         warpgroup.wait_group(0)
                         online_softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo, hi, start, full_lo, full_hi,
@@ -375,7 +404,7 @@ class ExtendKernel:
                         cute.arch.fence_proxy("async.shared", space="cta")
                         self._take_turn(wgc)
                         warpgroup.fence()
-                        self._scores(acc_s, tSrQ, tSrK, stage)
+                        self._scores(acc_s, tSrQ, tSrK, stage, qs)
                         self._pv(acc_o, t_orp, tOrV, prev)
                         self._pass_turn(wgc)
                         warpgroup.wait_group(1)
@@ -388,11 +417,13 @@ class ExtendKernel:
                         self._rescale_and_convert(acc_o, alpha, r_p, acc_s)
                         if n_tiles >= 2:
                             cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (g_last - 1) % NS))
-                    # no product reads this warpgroup's Q rows any more (its last S = Q K^T is done): the next
-                    # item's Q goes in while the last P V and the epilogue run
-                    cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
-                    nxt = self._item(k + self.ctas, cta)  # this CTA's next item (past the items after its last)
-                    q_pending = self._issue_q(q_ptr, cu_ptr, nxt, q_sb, q_ss, q_sh, ctid, wgc, wQ)
+                    if const_expr(self.q_bufs == 1):
+                        # no product reads this warpgroup's Q rows any more (its last S = Q K^T is done): the next
+                        # item's Q goes in while the last P V and the epilogue run
+                        cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
+                        q_pending = self._issue_q(q_ptr, cu_ptr, nxt, q_sb, q_ss, q_sh, ctid, wgc, wQ, qs)
+                    else:
+                        qs = 1 - qs
                     if n_tiles > 0:
                         cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, last), stage_phase(g_last, NS))
                         cute.arch.fence_proxy("async.shared", space="cta")
@@ -408,10 +439,11 @@ class ExtendKernel:
 
     @cute.jit
     def _issue_q(self, q_ptr: cute.Pointer, cu_ptr: cute.Pointer, item: Int32, q_sb: Int64, q_ss: Int64,
-                 q_sh: Int64, ctid: Int32, wgc: Int32, wQ: cute.Tensor):
+                 q_sh: Int64, ctid: Int32, wgc: Int32, wQ: cute.Tensor, qs: Int32):
         """Issues the cp.async copies of this consumer warpgroup's 64 Q rows of work item `item` into its rows of
-        the Q tile (zeros past the request's rows) and returns 1, or returns 0 for an item past the last or a
-        padding item (which reads no Q). `_wait_q` waits for them."""
+        Q tile `qs` (zeros for rows outside the request's: past its last, or below an end-aligned tile's 0) and
+        returns 1, or returns 0 for an item past the last or a padding item (which reads no Q). `_wait_q` waits
+        for them."""
         CH = const_expr(self.chunks)
         dt = self.dtype
         issued = Int32(0)
@@ -429,9 +461,9 @@ class ExtendKernel:
                     ci = (ctid % 128) + i * 128
                     row = wgc * 64 + ci // CH
                     ch = ci % CH
-                    dst = self._chunk(wQ[0, None, None, None, None, None], row, ch)
-                    r = mt * self.block_m + row
-                    if r < n_b:
+                    dst = self._chunk(wQ[qs, None, None, None, None, None], row, ch)
+                    r = mt * self.block_m - self.pad + row
+                    if (r >= 0) & (r < n_b):
                         src = cute.make_tensor(cute.make_ptr(dt, q_base + (Int64(r) * q_ss + ch * 8) * 2,
                                                              cute.AddressSpace.gmem, assumed_align=16),
                                                cute.make_layout((8,)))
@@ -487,7 +519,8 @@ class ExtendKernel:
             if seen:
                 f = cute.arch.exp2(m_r - m_f) * v_scale / l_f
             row = t_co[2 * rh][0]
-            r = mt * self.block_m + row
+            r = mt * self.block_m - self.pad + row
+            mine = (r >= 0) & (r < n_b)  # a row of the request (not past it, nor below an end-aligned tile)
             out_row = out_ptr.toint() + ((row0 + Int64(r)) * self.hq + Int64(hq)) * D * 2
             for i in cutlass.range_constexpr(NG // 2):
                 e0 = const_expr(8 * i + 2 * rh)  # the pair of group 2 i in this row half (element e0, e0 + 1)
@@ -506,11 +539,11 @@ class ExtendKernel:
                     pair[0] = got
                     pair[1] = w1
                     col = col + 6  # group 2 i + 1 from column 2 (q - 1)
-                if r < n_b:
+                if mine:
                     dst = cute.make_tensor(cute.make_ptr(Uint32, out_row + col * 2, cute.AddressSpace.gmem,
                                                          assumed_align=8), cute.make_layout((2,)))
                     cute.autovec_copy(pair, dst)
-            if r < n_b:
+            if mine:
                 if t_co[2 * rh][1] == 0:
                     lse = Float32(-math.inf)
                     if seen:
@@ -567,13 +600,14 @@ class ExtendKernel:
         r_p.store(acc_s.load().to(self.dtype))
 
     @cute.jit
-    def _scores(self, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor, stage: Int32):
-        """Issues S = Q K^T of the K tile in `stage` (D / 16 wgmma k-steps, one commit group). The tiled MMA
-        is made here: its accumulate flag is traced state that must not cross a control-flow region."""
+    def _scores(self, acc_s: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor, stage: Int32, qs: Int32):
+        """Issues S = Q K^T of Q tile `qs` and the K tile in `stage` (D / 16 wgmma k-steps, one commit group).
+        The tiled MMA is made here: its accumulate flag is traced state that must not cross a control-flow
+        region."""
         mma_qk = self._mma_qk()
         for k in cutlass.range_constexpr(self.d // 16):
             mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(mma_qk, acc_s, tSrQ[None, None, k, 0], tSrK[None, None, k, stage], acc_s)
+            cute.gemm(mma_qk, acc_s, tSrQ[None, None, k, qs], tSrK[None, None, k, stage], acc_s)
         warpgroup.commit_group()
 
     @cute.jit

@@ -130,10 +130,14 @@ def extend_rows_fit(block_m: int, head_dim: int) -> bool:
 
 def extend_rows(problem: Problem) -> int:
     """extend.py's query rows a CTA: 192 (three consumer warpgroups) at D <= 64 for 4D q of at least
-    EXTEND_WIDE_MIN_Q new tokens a request without a window, else 128. Measured on an H100 (h200.md, "Session
-    55"): 192 rows 1.09-1.20x at 2048 new tokens a request or more, D 64; 0.93x at 16x1024 and 0.86x at
-    1x8192:1024, where a request's rows pad to 192 (1152 for 1024) and the fewer, longer items fill the last
-    round of CTAs worse. Packed q keeps 128: its requests' lengths are the device's, and short ones would pad."""
+    EXTEND_WIDE_MIN_Q new tokens a request without a window, else 128. Measured on an H100 (h200.md, "Session 55"):
+    192 rows 1.09-1.20x at 2048 new tokens a request or more, D 64; 0.93x at 16x1024 and 0.86x at 1x8192:1024,
+    where a request's rows pad to 192 (1152 for 1024) and the fewer, longer items fill the last round of CTAs
+    worse. Since session 58 a 4D request's row tiles end on its last row (extend.py), so the padded rows sit in its
+    first tile, which sees the fewest keys: 192 rows then measured 1.03x the 128-row plan on an H100 at 16x1024
+    (h200.md, "Session 58"), but 1024 new tokens stay on 128 rows: the static problem cannot tell a full prefill
+    from a chunk on a long prefix (1x8192:1024), whose 192-row items all see the prefix and fill fewer rounds of
+    CTAs. Packed q keeps 128: its requests' lengths are the device's, and short ones would pad."""
     if (extend_rows_fit(192, problem.head_dim) and not problem.packed and problem.window_left < 0
             and problem.q_len >= EXTEND_WIDE_MIN_Q):
         return 192
