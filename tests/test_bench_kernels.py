@@ -109,7 +109,7 @@ def test_dry_run_main(cpu_bench, tmp_path):
 
 def test_dry_run_packed_extend(cpu_bench, tmp_path):
     """--packed: extend rows also time b12x-packed (q packed [B x S, Hq, D] with cu_seqlens_q), checked against
-    the reference like b12x; other rows say it is n/a."""
+    the reference like b12x; decode and verify rows do not time it."""
     argv = ["--rows", "extend,verify", "--sizes", "2x128", "--head-dim", "64", "--peers", "", "--packed",
             "--out", str(tmp_path), "--tag", "p"]
     cpu_bench.main(argv)
