@@ -743,6 +743,14 @@ MLA_CLUSTER_PATCH = {"cluster3": dict(MLA_CLUSTER_SPLITS=8, MLA_NARROW_CLUSTER_S
                      "narrow_cluster3": dict(MLA_NARROW_CLUSTER_SPLITS=8)}
 
 
+def _patch_cluster_constants(monkeypatch, variant):
+    """Sets the plan constants of a cluster variant (MLA_CLUSTER_PATCH) for this test; others unchanged."""
+    from b12x_inductor.kernels.cute import plan as cute_plan
+
+    for constant, value in MLA_CLUSTER_PATCH.get(variant, {}).items():
+        monkeypatch.setattr(cute_plan, constant, value)
+
+
 def _mla_overrides(variant, kw):
     """The variant's plan fields for a case, or None where its kernel cannot run the case (a skip)."""
     from b12x_inductor.kernels.cute.plan import MLA_NARROW_FP8_STAGES, MLA_NARROW_TILE
@@ -762,12 +770,9 @@ def _mla_overrides(variant, kw):
 @pytest.mark.parametrize("variant", list(MLA_VARIANTS))
 @pytest.mark.parametrize("name,kw,options", MLA_CASES, ids=[c[0] for c in MLA_CASES])
 def test_gpu_cute_mla_matches_reference(name, kw, options, variant, monkeypatch):
-    from b12x_inductor.kernels.cute import plan as cute_plan
     from b12x_inductor.kernels.cute import tma_box
 
-    if variant in MLA_CLUSTER_PATCH:
-        for name, value in MLA_CLUSTER_PATCH[variant].items():
-            monkeypatch.setattr(cute_plan, name, value)
+    _patch_cluster_constants(monkeypatch, variant)
     if variant.startswith("seesaw") and not tma_box(page=kw["page_size"], tile_n=64):
         pytest.skip("the seesaw kernel loads by TMA only (pages of 8 to 256 keys that divide 64 or that 64 divides)")
     if variant.startswith("seesaw") and kw.get("kv_dtype") == F8:
@@ -797,11 +802,7 @@ def test_gpu_cute_mla_matches_reference(name, kw, options, variant, monkeypatch)
 def test_gpu_cute_mla_cuda_graph_replay(q_len, heads, split_q, fp8, variant, monkeypatch):
     """Capture once; poison the outputs, change lengths and page tables in place, replay, compare (split_q: the
     query as q and q_pe, read in place; fp8: a float8 cache with per-request descales)."""
-    from b12x_inductor.kernels.cute import plan as cute_plan
-
-    if variant in MLA_CLUSTER_PATCH:
-        for name, value in MLA_CLUSTER_PATCH[variant].items():
-            monkeypatch.setattr(cute_plan, name, value)
+    _patch_cluster_constants(monkeypatch, variant)
     if fp8 and variant.startswith("seesaw"):
         pytest.skip("a float8 cache runs on mla.py or mla_narrow.py")
     kw = dict(MLA, batch=3, q_len=q_len, hq=heads, page_size=64, lens=[500, 260, 70], spare_pages=4,
