@@ -339,7 +339,7 @@ class ExtendKernel:
             pre_start = Int32(0)
             if const_expr(self.keys_ahead):
                 pre_length, pre_start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start,
-                                                   (cta // self.hq) % self.batch, cap)
+                                                   self._tile_map(cu_ptr, cta // self.hq)[0], cap)
             q_pending = self._issue_q(q_ptr, cu_ptr, cta, q_sb, q_ss, q_sh, ctid, wgc, wQ, qs)  # the first item's Q
             for k in cutlass.range(cta, self.items, self.ctas, unroll=1):
                 item = self._item(k, cta)
@@ -366,7 +366,7 @@ class ExtendKernel:
                         # the next item's live length and first key, read a whole item ahead (4D q: its request
                         # is arithmetic; past the last item it is still a request of the batch)
                         pre_length, pre_start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start,
-                                                           (nxt // self.hq) % self.batch, cap)
+                                                           self._tile_map(cu_ptr, nxt // self.hq)[0], cap)
                     k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h,
                                               sm_scale, b, h)
                     acc_o.fill(0.0)
