@@ -390,14 +390,8 @@ def copy_bandwidth():
 # callable that returns that output [B, S, Hq, D]), or raises Unable
 
 def b12x_call(s, shape, mode, variant=None, family=None):
-    import b12x_inductor as b12x
-
     if variant is None and family is None:
-        def call():
-            b12x.paged_attention(s["q"], s["k_cache"], s["v_cache"], s["page_table"], s["cache_seqlens"],
-                                 window_left=shape.window_left, sinks=s["sinks"], k_descale=s["k_descale"],
-                                 v_descale=s["v_descale"], out=s["out"])
-        return call, lambda: s["out"]
+        return _op_call(s, shape, s["q"], s["out"]), lambda: s["out"]
     # one kernel family's plan (family_plan), with (num_splits, block_n, num_stages, num_warps, block_m)
     # replaced where the variant gives a nonzero value
     from b12x_inductor import kernels, validate
@@ -432,20 +426,24 @@ def b12x_packed_call(s, shape, mode):
     """The public op on the row's requests packed: q as [B x S, Hq, D] (a view of the same rows) with
     cu_seqlens_q (every request S new tokens), as the serving engine calls extend; out viewed back as
     [B, S, Hq, D]."""
-    import b12x_inductor as b12x
-
     if mode != "extend":
         raise Unable("packed q is timed on extend rows only")
     batch, q_len = s["q"].shape[:2]
     q = s["q"].reshape(batch * q_len, shape.hq, shape.d)
     cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=DEVICE)
     out = torch.empty_like(q)
+    return _op_call(s, shape, q, out, cu), lambda: out.view(batch, q_len, shape.hq, shape.d)
+
+
+def _op_call(s, shape, q, out, cu_seqlens_q=None):
+    """A zero-argument call of the public op on input set s's cache, with this q (and cu_seqlens_q) into out."""
+    import b12x_inductor as b12x
 
     def call():
-        b12x.paged_attention(q, s["k_cache"], s["v_cache"], s["page_table"], s["cache_seqlens"], cu,
+        b12x.paged_attention(q, s["k_cache"], s["v_cache"], s["page_table"], s["cache_seqlens"], cu_seqlens_q,
                              window_left=shape.window_left, sinks=s["sinks"], k_descale=s["k_descale"],
                              v_descale=s["v_descale"], out=out)
-    return call, lambda: out.view(batch, q_len, shape.hq, shape.d)
+    return call
 
 
 def _cute_check(problem):
