@@ -169,22 +169,40 @@ class ExtendKernel:
         row0 = Int64(0)
         pad_from = Int32(-1)
         if const_expr(self.packed):
+            # the warp maps the tile together, 32 requests a round (every caller passes the same t across the
+            # warp): lane l reads request c x 32 + l's rows of cu_seqlens_q clamped to [0, T] (as the Triton
+            # kernel: rows [c_lo, max(c_lo, c_hi)) stay in q and out), a warp scan of the row-tile counts gives
+            # each request's first tile, and the lane whose tiles hold t (at most one) hands its request over.
+            # One round of loads where a lane per request, one after another, took a load round trip each.
             cu = cute.make_tensor(cu_ptr, cute.make_layout((self.batch + 1,)))
-            cum = Int32(0)
-            # cu_seqlens_q clamped to [0, T] (as the Triton kernel): rows [c_lo, max(c_lo, c_hi)) stay in q and out
-            for i in cutlass.range(self.batch, unroll=1):
-                c_lo = cutlass.min(cutlass.max(Int32(cu[i]), Int32(0)), Int32(self.s))
-                c_hi = cutlass.min(cutlass.max(Int32(cu[i + 1]), Int32(0)), Int32(self.s))
+            lane = cute.arch.lane_idx()
+            cum = Int32(0)  # the row tiles of the requests before this round
+            end = cutlass.min(cutlass.max(Int32(cu[self.batch]), Int32(0)), Int32(self.s))
+            for c in cutlass.range_constexpr(-(-self.batch // 32)):
+                i = c * 32 + lane
+                real = i < self.batch
+                ii = cutlass.min(i, Int32(self.batch - 1))
+                c_lo = cutlass.min(cutlass.max(Int32(cu[ii]), Int32(0)), Int32(self.s))
+                c_hi = cutlass.min(cutlass.max(Int32(cu[ii + 1]), Int32(0)), Int32(self.s))
                 n_i = cutlass.max(c_hi - c_lo, Int32(0))
-                tiles_i = (n_i + self.block_m - 1) // self.block_m
-                if (t >= cum) & (t < cum + tiles_i):
-                    b = i
-                    mt = t - cum
-                    n_b = n_i
-                    row0 = Int64(c_lo)
-                cum = cum + tiles_i
+                tiles_i = Int32(0)
+                if real:
+                    tiles_i = (n_i + self.block_m - 1) // self.block_m
+                upto = tiles_i  # inclusive scan: the tiles of requests c x 32 .. i
+                for sh in cutlass.range_constexpr(5):
+                    got = cute.arch.shuffle_sync_up(upto, 1 << sh)
+                    if lane >= (1 << sh):
+                        upto = upto + got
+                first = cum + upto - tiles_i
+                hits = cute.arch.vote_ballot_sync((t >= first) & (t < first + tiles_i))
+                if hits != 0:
+                    src = Int32(31) - Int32(cute.arch.clz(Uint32(hits)))
+                    b = c * 32 + src
+                    mt = t - cute.arch.shuffle_sync(first, src)
+                    n_b = cute.arch.shuffle_sync(n_i, src)
+                    row0 = Int64(cute.arch.shuffle_sync(c_lo, src))
+                cum = cum + cute.arch.shuffle_sync(upto, 31)
             if t >= cum:
-                end = cutlass.min(cutlass.max(Int32(cu[self.batch]), Int32(0)), Int32(self.s))
                 pad_from = end + (t - cum) * self.block_m
         else:
             # longest first across the batch: every request's last row tile (the most keys under a causal
