@@ -225,6 +225,12 @@ EXTEND_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CAS
     ("extend_4d_d64_g8_features", dict(batch=2, q_len=450, hq=16, hkv=2, d=64, page_size=16, lens=[450, 1200],
                                        kv_start=True, sinks=True, nan_unused=True),
      dict(window_left=200, softcap=20.0)),
+    # packed q over 40 requests (the tile map takes 32 a round: two rounds), of 0 to 300 new tokens (partial
+    # tiles from row -127 on, requests without rows), and padding rows past cu_seqlens_q[-1]
+    ("extend_packed_40_requests", dict(batch=40, hq=8, hkv=2, d=128, page_size=16, packed=True,
+                                       lens=[300 + (97 * b) % 400 for b in range(40)],
+                                       q_lens=[(0, 1, 129, 300, 64, 255, 128, 17)[b % 8] for b in range(40)],
+                                       sinks=True, nan_unused=True), {}),
 ]
 EXTEND_VARIANTS = {"plan": {}, "stages2": dict(num_stages=2), "n64_stages4": dict(block_n=64, num_stages=4),
                    "n48_stages3": dict(block_n=48, num_stages=3),  # D 256 only

@@ -2,18 +2,21 @@
 
 A work item is BM consecutive new tokens of one request and one query head (the plan's block_m: 128, or 192 at
 D <= 64 as FlashAttention-3's tile there); items are ordered as the Triton extend kernel's grid (Hq, tiles) (same
-three key ranges, same masks). Its tile map is the Triton kernel's but for 4D q, whose row tiles end on a
-request's last row: the one partial tile (S not a multiple of BM) is a request's first, which sees the fewest
-keys, where the Triton kernel's is its last, which sees the most (tile mt holds rows mt x BM - pad ..; the rows
-below 0 read zeros and are not stored). The kernel is persistent: min(items, SMs) CTAs of a producer
-warpgroup and NC = BM / 64 consumer warpgroups (one CTA fits an SM), CTA c taking one item per round of
-CTAs items, in snake order (`_item`: round r's items run forward for even r and backward for odd r, so the CTA
-that takes a round's longest item takes the next round's shortest; a partial last round runs forward).
-The K/V ring, its barrier phases and the consumers' GEMM turns run on across a CTA's items, so the producer
-loads the next item's first tiles while the consumers finish the last one. Each consumer warpgroup issues its
-next item's Q rows a whole item ahead, into the second of two Q tiles where shared memory holds two (D 64), else
-as soon as its last S = Q K^T is done (before its last P V and its epilogue); for 4D q it reads the next item's
-live length (and kv_start) an item ahead too, so no load of the item's start waits at its first tile:
+three key ranges, same masks). Its tile map differs from the Triton kernel's in one way: a request's row tiles
+end on its last row, so the one partial tile (a request's new-token count not a multiple of BM) holds its first
+rows, which see the fewest keys, where the Triton kernel's holds its last, which see the most (a tile's first row
+r0 may be negative: the rows below 0 read zeros and are not stored), and its order is longest first: every
+request's last row tile, then every request's second-to-last, and so on (for packed q, with its requests' row
+counts from cu_seqlens_q on the device). The kernel is
+persistent: min(items, SMs) CTAs of a producer warpgroup and NC = BM / 64 consumer warpgroups (one CTA fits an
+SM), CTA c taking one item per round of CTAs items, in snake order (`_item`: round r's items run forward for
+even r and backward for odd r, so the CTA that takes a round's longest item takes the next round's shortest; a
+partial last round runs forward). The K/V ring, its barrier phases and the consumers' GEMM turns run on across
+a CTA's items, so the producer loads the next item's first tiles while the consumers finish the last one. Each
+consumer warpgroup issues its next item's Q rows a whole item ahead, into the second of two Q tiles where
+shared memory holds two (D 64), else as soon as its last S = Q K^T is done (before its last P V and its
+epilogue); it maps the next item's tile to its request (for packed q, from cu_seqlens_q) and reads that
+request's live length (and kv_start) an item ahead too, so no load of the item's start waits at its first tile:
 
 - warpgroup 0, the producer (after setmaxnreg 56 registers, 32 beside three consumers), loads each BN-key
   tile into a STAGES-deep ring of shared-memory buffers, first K, then V, and never waits on its own loads,
@@ -61,8 +64,9 @@ rows r and r + 8, and N / 8 column groups of 8; converted to 16-bit, the S fragm
 the A register fragment of the P V product's k-step, so P never leaves registers.
 
 Packed q: the items are fixed by the capacity (cdiv(T, BM) + B tiles a head); each item's tile is mapped to a
-request on the device from cu_seqlens_q, and the items left over write zeros and lse = -inf into the padding
-rows.
+request on the device from cu_seqlens_q (a warp reads 32 requests' rows a round, `_tile_map`), and the items left
+over write zeros and lse = -inf into the padding rows. Packed tiles run longest first as 4D ones do: in request
+order, the snake order left CTAs far apart in work (benchmarks/results/h200.md, "Session 59").
 
 What limits it (benchmarks/results/h200.md, "CuTe DSL extend", "Session 33" and "Session 35"): 419-593 TFLOP/s at
 D 128, page 16, with TMA; the short prefills keep a cost per item (its first S and last P V not overlapped), and
@@ -115,12 +119,12 @@ class ExtendKernel:
         self.tiles = (-(-s // block_m) + batch) if packed else batch * -(-s // block_m)
         # 4D q: a request's row tiles end on its last row, so the one partial tile (S not a multiple of block_m)
         # is its first, which sees the fewest keys: tile mt holds rows mt x block_m - pad .. (rows below 0 are
-        # not loaded, computed on zeros and not stored). Packed q: tiles start on a request's first row.
+        # not loaded, computed on zeros and not stored). Packed q: the same, with each request's own pad
+        # (_tile_map, on the device).
         self.pad = 0 if packed else -(-s // block_m) * block_m - s
         self.items = hq * self.tiles  # work items: (query head, row tile), item = hq + Hq x tile
         self.ctas = min(self.items, sm_count) if sm_count > 0 else self.items  # persistent: one CTA per SM
         self.box = tma_box(page=page, tile_n=tile_n)
-        self.keys_ahead = not packed  # 4D q: an item's live length is read an item ahead (its request is arithmetic)
 
     @cute.jit
     def __call__(
@@ -160,69 +164,102 @@ class ExtendKernel:
 
     @cute.jit
     def _tile_map(self, cu_ptr: cute.Pointer, t: Int32):
-        """(b, mt, n_b, row0, pad_from): tile t's request, its row tile (for 4D q as the Triton kernel:
-        request t % B, the longest row tiles of all requests first), the request's new-token count, its first
-        row in q/out, and for packed q the first padding row this tile writes (-1 for a real tile)."""
+        """(b, r0, n_b, row0, pad_from): tile t's request, the tile's first row in the request (below 0 where the
+        request's rows do not fill its tiles: a request's tiles end on its last row), the request's new-token
+        count, its first row in q/out, and for packed q the first padding row this tile writes (-1 for a real
+        tile). Longest first: every request's last row tile (the most keys under a causal mask) before any
+        request's second-to-last, and so on, in request order within each level (4D q: request t % B, as the
+        Triton kernel; packed q: the requests with that many tiles, found on the device)."""
         b = Int32(0)
-        mt = Int32(0)
+        r0 = Int32(0)
         n_b = Int32(self.s)
         row0 = Int64(0)
         pad_from = Int32(-1)
         if const_expr(self.packed):
-            # the warp maps the tile together, 32 requests a round (every caller passes the same t across the
-            # warp): lane l reads request c x 32 + l's rows of cu_seqlens_q clamped to [0, T] (as the Triton
-            # kernel: rows [c_lo, max(c_lo, c_hi)) stay in q and out), a warp scan of the row-tile counts gives
-            # each request's first tile, and the lane whose tiles hold t (at most one) hands its request over.
-            # One round of loads where a lane per request, one after another, took a load round trip each.
+            # the warp maps the tile together (every caller passes the same t across the warp), 32 requests a
+            # round, lane l holding request c x 32 + l (`_lane_request`). Tile t is the t-th of the order
+            # (level d, request): level d holds, in request order, the tile d from the end of every request of
+            # more than d row tiles. Below level d lie F(d) = sum_i min(tiles_i, d) tiles (`_tiles_below`), so
+            # t's level is the last d with F(d) <= t: a binary search over [0, cdiv(T, BM)], then a ballot per
+            # round finds the request that holds the (t - F(d))-th tile of the level.
             cu = cute.make_tensor(cu_ptr, cute.make_layout((self.batch + 1,)))
             lane = cute.arch.lane_idx()
-            cum = Int32(0)  # the row tiles of the requests before this round
-            end = cutlass.min(cutlass.max(Int32(cu[self.batch]), Int32(0)), Int32(self.s))
+            d_max = const_expr(-(-self.s // self.block_m))  # a request's most row tiles
+            # branch-free: every lane takes every shuffle and ballot
+            real_tiles = self._tiles_below(cu, lane, Int32(d_max))
+            lo = Int32(0)  # F(lo) <= t < F(hi) (for t < real_tiles)
+            hi = Int32(d_max)
+            f_lo = Int32(0)
+            for _ in cutlass.range_constexpr(max(1, (d_max - 1).bit_length())):
+                mid = (lo + hi) // 2  # lo once hi = lo + 1 (F(lo) <= t: nothing changes)
+                f_mid = self._tiles_below(cu, lane, mid)
+                go = Int32(f_mid <= t)
+                lo = lo + go * (mid - lo)
+                f_lo = f_lo + go * (f_mid - f_lo)
+                hi = hi + (1 - go) * (mid - hi)
+            idx = t - f_lo  # the tile's place in level lo
             for c in cutlass.range_constexpr(-(-self.batch // 32)):
-                i = c * 32 + lane
-                real = i < self.batch
-                ii = cutlass.min(i, Int32(self.batch - 1))
-                c_lo = cutlass.min(cutlass.max(Int32(cu[ii]), Int32(0)), Int32(self.s))
-                c_hi = cutlass.min(cutlass.max(Int32(cu[ii + 1]), Int32(0)), Int32(self.s))
-                n_i = cutlass.max(c_hi - c_lo, Int32(0))
-                tiles_i = Int32(0)
-                if real:
-                    tiles_i = (n_i + self.block_m - 1) // self.block_m
-                upto = tiles_i  # inclusive scan: the tiles of requests c x 32 .. i
-                for sh in cutlass.range_constexpr(5):
-                    got = cute.arch.shuffle_sync_up(upto, 1 << sh)
-                    if lane >= (1 << sh):
-                        upto = upto + got
-                first = cum + upto - tiles_i
-                hits = cute.arch.vote_ballot_sync((t >= first) & (t < first + tiles_i))
-                if hits != 0:
-                    src = Int32(31) - Int32(cute.arch.clz(Uint32(hits)))
-                    b = c * 32 + src
-                    mt = t - cute.arch.shuffle_sync(first, src)
-                    n_b = cute.arch.shuffle_sync(n_i, src)
-                    row0 = Int64(cute.arch.shuffle_sync(c_lo, src))
-                cum = cum + cute.arch.shuffle_sync(upto, 31)
-            if t >= cum:
-                pad_from = end + (t - cum) * self.block_m
+                c_lo, n_i, tiles_i = self._lane_request(cu, c, lane)
+                deep = tiles_i > lo
+                has = Uint32(cute.arch.vote_ballot_sync(deep))
+                rank = Int32(cute.arch.popc(has & cute.arch.lanemask_lt()))
+                hit = Uint32(cute.arch.vote_ballot_sync(deep & (rank == idx)))
+                src = Int32(31) - Int32(cute.arch.clz(hit))  # -1 where no lane hits
+                got_n = cute.arch.shuffle_sync(n_i, src & 31)
+                got_lo = cute.arch.shuffle_sync(c_lo, src & 31)
+                found = Int32(hit != 0)
+                b = b + found * (c * 32 + src - b)
+                n_b = n_b + found * (got_n - n_b)
+                row0 = row0 + Int64(found * got_lo)
+                idx = idx - Int32(cute.arch.popc(has))
+            r0 = n_b - (lo + 1) * self.block_m
+            if t >= real_tiles:
+                end = cutlass.min(cutlass.max(Int32(cu[self.batch]), Int32(0)), Int32(self.s))
+                pad_from = end + (t - real_tiles) * self.block_m
+                r0 = Int32(0)
         else:
-            # longest first across the batch: every request's last row tile (the most keys under a causal
-            # mask) before any request's second-to-last, so the last CTAs to start are the shortest
             per_req = const_expr(-(-self.s // self.block_m))
             b = t % self.batch
-            mt = per_req - 1 - t // self.batch
+            r0 = (per_req - 1 - t // self.batch) * self.block_m - self.pad
             row0 = Int64(b) * self.s
-        return b, mt, n_b, row0, pad_from
+        return b, r0, n_b, row0, pad_from
 
     @cute.jit
-    def _key_range(self, length: Int32, start: Int32, mt: Int32, n_b: Int32, window_left: Int32):
-        """(lo, hi, full_lo, full_hi, n_tiles): the keys row tile mt sees of a request of live length `length`
-        and first visible key `start` (common.live_range, read on the device as the Triton extend kernel reads
-        them) and n_b new tokens: the tile's key range [lo, hi) (lo on a TMA box boundary where the keys that
-        adds are the request's), the range [full_lo, full_hi) every row of the tile sees whole, and the range's
-        BN-key tile count."""
-        first = mt * self.block_m - self.pad  # the tile's first row (below 0: rows the tile does not hold)
-        c_min = length - n_b + cutlass.max(first, Int32(0))
-        c_max = length - n_b + cutlass.min(first + self.block_m, n_b) - 1
+    def _lane_request(self, cu: cute.Tensor, c: int, lane: Int32):
+        """(c_lo, n_i, tiles_i) of packed q's request i = c x 32 + lane: its first row, its new-token count and
+        its row tiles from cu_seqlens_q clamped to [0, T] (as the Triton kernel: rows [c_lo, max(c_lo, c_hi))
+        stay in q and out); 0 tiles past the batch."""
+        i = c * 32 + lane
+        ii = cutlass.min(i, Int32(self.batch - 1))
+        c_lo = cutlass.min(cutlass.max(Int32(cu[ii]), Int32(0)), Int32(self.s))
+        c_hi = cutlass.min(cutlass.max(Int32(cu[ii + 1]), Int32(0)), Int32(self.s))
+        n_i = cutlass.max(c_hi - c_lo, Int32(0))
+        tiles_i = Int32(i < self.batch) * ((n_i + self.block_m - 1) // self.block_m)
+        return c_lo, n_i, tiles_i
+
+    @cute.jit
+    def _tiles_below(self, cu: cute.Tensor, lane: Int32, d: Int32):
+        """F(d) = sum over packed q's requests of min(row tiles, d), on every lane of the warp: the tiles of
+        the levels below d in `_tile_map`'s order."""
+        acc = Int32(0)
+        for c in cutlass.range_constexpr(-(-self.batch // 32)):
+            acc = acc + cutlass.min(self._lane_request(cu, c, lane)[2], d)
+        for sh in cutlass.range_constexpr(5):
+            acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1 << sh)
+        # every lane holds the sum; taken from lane 0, ptxas knows it is the warp's (uniform) value: from the
+        # butterfly alone, the consumers' branches on the tile map were divergent paths to ptxas, which then
+        # serialized their wgmma (C7520)
+        return cute.arch.shuffle_sync(acc, 0)
+
+    @cute.jit
+    def _key_range(self, length: Int32, start: Int32, r0: Int32, n_b: Int32, window_left: Int32):
+        """(lo, hi, full_lo, full_hi, n_tiles): the keys the row tile from row r0 (below 0: rows the tile does
+        not hold) sees of a request of live length `length` and first visible key `start` (common.live_range,
+        read on the device as the Triton extend kernel reads them) and n_b new tokens: the tile's key range
+        [lo, hi) (lo on a TMA box boundary where the keys that adds are the request's), the range
+        [full_lo, full_hi) every row of the tile sees whole, and the range's BN-key tile count."""
+        c_min = length - n_b + cutlass.max(r0, Int32(0))
+        c_max = length - n_b + cutlass.min(r0 + self.block_m, n_b) - 1
         lo = start
         full_lo = start
         if const_expr(self.use_window):
@@ -318,10 +355,10 @@ class ExtendKernel:
             for k in cutlass.range(cta, self.items, self.ctas, unroll=1):
                 item = self._item(k, cta)
                 hq = item % self.hq
-                b, mt, n_b, row0, pad_from = self._tile_map(cu_ptr, item // self.hq)
+                b, r0, n_b, row0, pad_from = self._tile_map(cu_ptr, item // self.hq)
                 if pad_from < 0:
                     length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
-                    lo, hi, full_lo, full_hi, n_tiles = self._key_range(length, start, mt, n_b, window_left)
+                    lo, hi, full_lo, full_hi, n_tiles = self._key_range(length, start, r0, n_b, window_left)
                     self._produce(tidx, b, hq // self.g, lo, hi, length, n_tiles, done, k_ptr, v_ptr, pt_ptr, k_sp,
                                   k_so, k_sh, v_sp, v_so, v_sh, pt_sb, num_pages, wK, wV, mbar, ring, tma_k, m_k,
                                   tma_v, m_v)
@@ -353,38 +390,36 @@ class ExtendKernel:
                 self._pass_turn(wgc)
             done = Int32(0)
             qs = Int32(0)  # the Q tile of this warpgroup's next item (toggles after each item with two tiles)
-            pre_length = Int32(0)  # 4D q: the next item's live length and first visible key, read an item ahead
-            pre_start = Int32(0)
-            if const_expr(self.keys_ahead):
-                pre_length, pre_start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start,
-                                                   self._tile_map(cu_ptr, cta // self.hq)[0], cap)
-            q_pending = self._issue_q(q_ptr, cu_ptr, cta, q_sb, q_ss, q_sh, ctid, wgc, wQ, qs)  # the first item's Q
+            # the next item's tile map and its request's live length and first visible key, an item ahead
+            nb, nr0, nn_b, nrow0, npad_from = self._tile_map(cu_ptr, cta // self.hq)
+            n_length, n_start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, nb, cap)
+            q_pending = self._issue_q(q_ptr, cta, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss, q_sh, ctid, wgc,
+                                      wQ, qs)  # the first item's Q
             for k in cutlass.range(cta, self.items, self.ctas, unroll=1):
                 item = self._item(k, cta)
                 hq = item % self.hq
                 h = hq // self.g
-                b, mt, n_b, row0, pad_from = self._tile_map(cu_ptr, item // self.hq)
+                b, r0, n_b, row0, pad_from = nb, nr0, nn_b, nrow0, npad_from
+                length, start = n_length, n_start
+                # this CTA's next item (past the items after its last, which maps to a tile of the capacity:
+                # the map's loads stay in cu_seqlens_q, the live range's in the batch)
+                nxt = self._item(k + self.ctas, cta)
+                nb, nr0, nn_b, nrow0, npad_from = self._tile_map(cu_ptr, nxt // self.hq)
+                n_length, n_start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, nb, cap)
                 if pad_from >= 0:
                     self._pad_rows(out_ptr, lse_rows, hq, pad_from, ctid)
                 else:
-                    length, start = pre_length, pre_start
-                    if const_expr(not self.keys_ahead):
-                        length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
-                    lo, hi, full_lo, full_hi, n_tiles = self._key_range(length, start, mt, n_b, window_left)
+                    lo, hi, full_lo, full_hi, n_tiles = self._key_range(length, start, r0, n_b, window_left)
                     if q_pending == 0:  # not issued ahead: the previous item was a padding one
-                        q_pending = self._issue_q(q_ptr, cu_ptr, item, q_sb, q_ss, q_sh, ctid, wgc, wQ, qs)
+                        q_pending = self._issue_q(q_ptr, item, b, r0, n_b, row0, pad_from, q_sb, q_ss, q_sh, ctid,
+                                                  wgc, wQ, qs)
                     self._wait_q(wgc)
-                    nxt = self._item(k + self.ctas, cta)  # this CTA's next item (past the items after its last)
                     if const_expr(self.q_bufs == 2):
                         # the other Q tile was last read by the item before this one, whose products are all done
                         # (every thread of this warpgroup passed _wait_q's barrier): the next item's Q rows go in
                         # now, a whole item ahead
-                        q_pending = self._issue_q(q_ptr, cu_ptr, nxt, q_sb, q_ss, q_sh, ctid, wgc, wQ, 1 - qs)
-                    if const_expr(self.keys_ahead):
-                        # the next item's live length and first key, read a whole item ahead (4D q: its request
-                        # is arithmetic; past the last item it is still a request of the batch)
-                        pre_length, pre_start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start,
-                                                           self._tile_map(cu_ptr, nxt // self.hq)[0], cap)
+                        q_pending = self._issue_q(q_ptr, nxt, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss, q_sh,
+                                                  ctid, wgc, wQ, 1 - qs)
                     k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h,
                                               sm_scale, b, h)
                     acc_o.fill(0.0)
@@ -392,7 +427,7 @@ class ExtendKernel:
                         m_run[i] = Float32(NEG_BIG)
                         l_run[i] = Float32(0.0)
                         # causal limits of this thread's two rows (fragment rows r and r + 8)
-                        limit[i] = length - n_b + mt * self.block_m - self.pad + t_cs[2 * i][0]
+                        limit[i] = length - n_b + r0 + t_cs[2 * i][0]
                     if n_tiles > 0:
                         # tile 0: scores and softmax; its P V is issued with the next tile's scores
                         cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, done % NS), stage_phase(done, NS))
@@ -439,7 +474,8 @@ class ExtendKernel:
                         # no product reads this warpgroup's Q rows any more (its last S = Q K^T is done): the next
                         # item's Q goes in while the last P V and the epilogue run
                         cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
-                        q_pending = self._issue_q(q_ptr, cu_ptr, nxt, q_sb, q_ss, q_sh, ctid, wgc, wQ, qs)
+                        q_pending = self._issue_q(q_ptr, nxt, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss, q_sh,
+                                                  ctid, wgc, wQ, qs)
                     else:
                         qs = 1 - qs
                     if n_tiles > 0:
@@ -449,25 +485,25 @@ class ExtendKernel:
                         self._pv(acc_o, t_orp, tOrV, last)
                         warpgroup.wait_group(0)
                         cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, last))
-                    self._epilogue(acc_o, t_co, m_run, l_run, v_scale, sinks_ptr, has_sinks, hq, mt, n_b, row0,
+                    self._epilogue(acc_o, t_co, m_run, l_run, v_scale, sinks_ptr, has_sinks, hq, r0, n_b, row0,
                                    out_ptr, lse_rows, tidx % 32)
                     done = done + n_tiles
             if wgc == 0:
                 self._take_turn(0)  # the last warpgroup's last pass
 
     @cute.jit
-    def _issue_q(self, q_ptr: cute.Pointer, cu_ptr: cute.Pointer, item: Int32, q_sb: Int64, q_ss: Int64,
-                 q_sh: Int64, ctid: Int32, wgc: Int32, wQ: cute.Tensor, qs: Int32):
-        """Issues the cp.async copies of this consumer warpgroup's 64 Q rows of work item `item` into its rows of
-        Q tile `qs` (zeros for rows outside the request's: past its last, or below an end-aligned tile's 0) and
-        returns 1, or returns 0 for an item past the last or a padding item (which reads no Q). `_wait_q` waits
-        for them."""
+    def _issue_q(self, q_ptr: cute.Pointer, item: Int32, b: Int32, r0: Int32, n_b: Int32, row0: Int64,
+                 pad_from: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64, ctid: Int32, wgc: Int32, wQ: cute.Tensor,
+                 qs: Int32):
+        """Issues the cp.async copies of this consumer warpgroup's 64 Q rows of work item `item` (its tile map
+        b .. pad_from, `_tile_map`) into its rows of Q tile `qs` (zeros for rows outside the request's: past its
+        last, or below the tile's row 0) and returns 1, or returns 0 for an item past the last or a padding item
+        (which reads no Q). `_wait_q` waits for them."""
         CH = const_expr(self.chunks)
         dt = self.dtype
         issued = Int32(0)
         if item < self.items:
             hq = item % self.hq
-            b, mt, n_b, row0, pad_from = self._tile_map(cu_ptr, item // self.hq)
             if pad_from < 0:
                 q_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
                                              num_bits_per_copy=128)
@@ -480,7 +516,7 @@ class ExtendKernel:
                     row = wgc * 64 + ci // CH
                     ch = ci % CH
                     dst = self._chunk(wQ[qs, None, None, None, None, None], row, ch)
-                    r = mt * self.block_m - self.pad + row
+                    r = r0 + row
                     if (r >= 0) & (r < n_b):
                         src = cute.make_tensor(cute.make_ptr(dt, q_base + (Int64(r) * q_ss + ch * 8) * 2,
                                                              cute.AddressSpace.gmem, assumed_align=16),
@@ -503,7 +539,7 @@ class ExtendKernel:
 
     @cute.jit
     def _epilogue(self, acc_o: cute.Tensor, t_co: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor,
-                  v_scale: Float32, sinks_ptr: cute.Pointer, has_sinks: Int32, hq: Int32, mt: Int32, n_b: Int32,
+                  v_scale: Float32, sinks_ptr: cute.Pointer, has_sinks: Int32, hq: Int32, r0: Int32, n_b: Int32,
                   row0: Int64, out_ptr: cute.Pointer, lse_rows: cute.Tensor, lane: Int32):
         """The sink folded into each row's denominator, the normalized output rows and their natural-log lse
         (zeros and -inf for a row that saw no key), for this consumer warpgroup's 64 rows, straight from the
@@ -537,8 +573,8 @@ class ExtendKernel:
             if seen:
                 f = cute.arch.exp2(m_r - m_f) * v_scale / l_f
             row = t_co[2 * rh][0]
-            r = mt * self.block_m - self.pad + row
-            mine = (r >= 0) & (r < n_b)  # a row of the request (not past it, nor below an end-aligned tile)
+            r = r0 + row
+            mine = (r >= 0) & (r < n_b)  # a row of the request (not past it, nor below the tile's row 0)
             out_row = out_ptr.toint() + ((row0 + Int64(r)) * self.hq + Int64(hq)) * D * 2
             for i in cutlass.range_constexpr(NG // 2):
                 e0 = const_expr(8 * i + 2 * rh)  # the pair of group 2 i in this row half (element e0, e0 + 1)
