@@ -119,6 +119,29 @@ def test_dry_run_packed_extend(cpu_bench, tmp_path):
     assert "b12x-packed" not in rows["verify 2x128 D64"]["impls"]
 
 
+def test_dry_run_packed_batch_pads_to_max_batch(cpu_bench, tmp_path, monkeypatch):
+    """--packed-batch M: b12x-packed runs with cu_seqlens_q [M + 1], the page table [M, pages] and the lengths
+    [M] (the requests past B empty, as the serving engine pads to its max_batch), and still matches the
+    reference."""
+    seen = []
+    real = cpu_bench._op_call
+
+    def spy(s, shape, q, out, cu_seqlens_q=None, page_table=None, seqlens=None):
+        if cu_seqlens_q is not None:
+            seen.append((cu_seqlens_q.tolist(), tuple(page_table.shape), seqlens.tolist()))
+        return real(s, shape, q, out, cu_seqlens_q, page_table=page_table, seqlens=seqlens)
+
+    monkeypatch.setattr(cpu_bench, "_op_call", spy)
+    argv = ["--rows", "extend", "--sizes", "2x128", "--head-dim", "64", "--peers", "", "--packed-batch", "5",
+            "--out", str(tmp_path), "--tag", "pb"]
+    cpu_bench.main(argv)
+    rows = {r["row"]: r for r in json.loads((tmp_path / "kernels_pb.json").read_text())["rows"]}
+    packed = rows["extend 2x128 D64"]["impls"]["b12x-packed"]
+    assert packed["us"] > 0 and packed["max_err"] < 0.05
+    cu, pt_shape, lens = seen[0]
+    assert cu == [0, 128, 256, 256, 256, 256] and pt_shape[0] == 5 and lens[2:] == [0, 0, 0] and min(lens[:2]) > 0
+
+
 @pytest.mark.parametrize("shape,mode,q_len", [(kernels.GPT_OSS_SWA, "decode", 1), (kernels.GPT_OSS_FULL, "verify", 4)])
 def test_reference_check_sees_window_and_sinks(cpu_bench, shape, mode, q_len):
     """The check passes b12x's output and fails a corrupted one, one without the sinks and one without the

@@ -40,7 +40,9 @@ side), --variants (tuning: other plan constants), --head-dim (D of the default r
 (keys per page of every row, default 16), --extend-rows (other default extend rows, 'BxL[:S],...': S new tokens
 on L keys, a chunked prefill when S < L), --sizes BxL (dry run: every row that size, duplicates dropped),
 --flex-rows (only these row labels get FlexAttention), --packed (extend rows also time "b12x-packed": the op on q
-packed [B x S, Hq, D] with cu_seqlens_q, as the serving engine calls extend), --tag (JSON/PNG name), --profile (no
+packed [B x S, Hq, D] with cu_seqlens_q, as the serving engine calls extend), --packed-batch M (implies --packed:
+cu_seqlens_q, the page table and the lengths of b12x-packed padded to M requests, as the serving engine pads them
+to its max_batch; the requests past B have no new tokens and no keys), --tag (JSON/PNG name), --profile (no
 timing: after its reference check each implementation runs once more inside an NVTX range named after it, for
 `ncu --nvtx --nvtx-include "b12x-cute/" python -m b12x_inductor.bench ... --profile`), --warm-peers (JIT-build
 FlashInfer's modules for the selected rows and exit).
@@ -422,25 +424,37 @@ def b12x_call(s, shape, mode, variant=None, family=None):
     return call, lambda: out
 
 
-def b12x_packed_call(s, shape, mode):
+def b12x_packed_call(s, shape, mode, pad_to=0):
     """The public op on the row's requests packed: q as [B x S, Hq, D] (a view of the same rows) with
     cu_seqlens_q (every request S new tokens), as the serving engine calls extend; out viewed back as
-    [B, S, Hq, D]."""
+    [B, S, Hq, D]. pad_to > B: cu_seqlens_q [pad_to + 1], the page table [pad_to, pages] and the lengths
+    [pad_to], the requests past B with no new tokens and no keys (the serving engine's max_batch)."""
     if mode != "extend":
         raise Unable("packed q is timed on extend rows only")
     batch, q_len = s["q"].shape[:2]
     q = s["q"].reshape(batch * q_len, shape.hq, shape.d)
     cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=DEVICE)
+    page_table, seqlens = s["page_table"], s["cache_seqlens"]
+    if pad_to > batch:
+        more = pad_to - batch
+        cu = torch.cat([cu, cu[-1:].expand(more)])
+        page_table = torch.cat([page_table, page_table.new_zeros(more, page_table.shape[1])])
+        seqlens = torch.cat([seqlens, seqlens.new_zeros(more)])
     out = torch.empty_like(q)
-    return _op_call(s, shape, q, out, cu), lambda: out.view(batch, q_len, shape.hq, shape.d)
+    call = _op_call(s, shape, q, out, cu, page_table=page_table, seqlens=seqlens)
+    return call, lambda: out.view(batch, q_len, shape.hq, shape.d)
 
 
-def _op_call(s, shape, q, out, cu_seqlens_q=None):
-    """A zero-argument call of the public op on input set s's cache, with this q (and cu_seqlens_q) into out."""
+def _op_call(s, shape, q, out, cu_seqlens_q=None, page_table=None, seqlens=None):
+    """A zero-argument call of the public op on input set s's cache, with this q (and cu_seqlens_q) into out;
+    page_table and seqlens default to the set's."""
     import b12x_inductor as b12x
 
+    page_table = s["page_table"] if page_table is None else page_table
+    seqlens = s["cache_seqlens"] if seqlens is None else seqlens
+
     def call():
-        b12x.paged_attention(q, s["k_cache"], s["v_cache"], s["page_table"], s["cache_seqlens"], cu_seqlens_q,
+        b12x.paged_attention(q, s["k_cache"], s["v_cache"], page_table, seqlens, cu_seqlens_q,
                              window_left=shape.window_left, sinks=s["sinks"], k_descale=s["k_descale"],
                              v_descale=s["v_descale"], out=out)
     return call
@@ -628,7 +642,7 @@ def row_metrics(shape, mode, batch, length, q_len, kv_dtype, us):
     return dict(tbps=(kv_bytes + q_bytes) / (us * 1e-6) / 1e12)
 
 
-def run_row(row, peers, variants, bw, families=(), packed=False):
+def run_row(row, peers, variants, bw, families=(), packed=False, packed_batch=0):
     label, shape, mode = row.label, row.shape, row.mode
     batch, length, q_len, kv_dtype = row.batch, row.length, row.q_len, row.kv_dtype
     touched = batch * keys_seen(shape, length, q_len) * shape.hkv * shape.d * 2 * kv_dtype.itemsize
@@ -636,7 +650,7 @@ def run_row(row, peers, variants, bw, families=(), packed=False):
     sets = [make_set(shape, mode, batch, length, q_len, kv_dtype, seed=17 * i + batch) for i in range(n_sets)]
     impls = [("b12x", lambda s, sh, m: b12x_call(s, sh, m))] + peers_for(shape, mode, kv_dtype, peers)
     if packed and mode == "extend":
-        impls.append(("b12x-packed", b12x_packed_call))
+        impls.append(("b12x-packed", lambda s, sh, m: b12x_packed_call(s, sh, m, pad_to=packed_batch)))
     for fam in families:
         impls.append((f"b12x-{fam}", lambda s, sh, m, fam=fam: b12x_call(s, sh, m, family=fam)))
     for fam, v in variants:
@@ -755,6 +769,8 @@ def main(argv) -> None:
                     "inside an NVTX range named after it (for ncu --nvtx --nvtx-include 'b12x-cute/')")
     ap.add_argument("--packed", action="store_true", help="extend rows also time b12x-packed: the op with q "
                     "packed [B x S, Hq, D] and cu_seqlens_q, as the serving engine calls it")
+    ap.add_argument("--packed-batch", type=int, default=0, help="implies --packed: b12x-packed's cu_seqlens_q, "
+                    "page table and lengths padded to this many requests (the serving engine's max_batch)")
     ap.add_argument("--sizes", default="", help="dry run: B x L overrides, e.g. 2x64 (all rows that size)")
     args = ap.parse_args(argv)
     globals()["PROFILE"] = args.profile
@@ -812,7 +828,8 @@ def main(argv) -> None:
         row_peers = peers
         if flex_rows and row.label not in flex_rows:
             row_peers = peers - {"flex"}
-        results.append(run_row(row, row_peers, sweep, bw, families, args.packed))
+        results.append(run_row(row, row_peers, sweep, bw, families, args.packed or args.packed_batch > 0,
+                               args.packed_batch))
     os.makedirs(args.out, exist_ok=True)
     doc = dict(versions=versions, copy_bandwidth_tbps=bw, copy_bandwidth_by_method=bw_all, argv=list(argv),
                shape=dict(hq=default_shape.hq, hkv=default_shape.hkv, d=default_shape.d,
