@@ -116,12 +116,13 @@ class ExtendKernel:
         self.threads = 128 * (1 + self.nc)
         self.turn_bar = 1 + self.nc
         self.block_m = block_m
-        self.tiles = (-(-s // block_m) + batch) if packed else batch * -(-s // block_m)
+        self.row_tiles = -(-s // block_m)  # a request's row tiles (4D q), at most (packed q)
+        self.tiles = (self.row_tiles + batch) if packed else batch * self.row_tiles
         # 4D q: a request's row tiles end on its last row, so the one partial tile (S not a multiple of block_m)
-        # is its first, which sees the fewest keys: tile mt holds rows mt x block_m - pad .. (rows below 0 are
-        # not loaded, computed on zeros and not stored). Packed q: the same, with each request's own pad
+        # is its first, which sees the fewest keys: its row tile j holds rows j x block_m - pad .. (rows below 0
+        # are not loaded, computed on zeros and not stored). Packed q: the same, with each request's own pad
         # (_tile_map, on the device).
-        self.pad = 0 if packed else -(-s // block_m) * block_m - s
+        self.pad = 0 if packed else self.row_tiles * block_m - s
         self.items = hq * self.tiles  # work items: (query head, row tile), item = hq + Hq x tile
         self.ctas = min(self.items, sm_count) if sm_count > 0 else self.items  # persistent: one CTA per SM
         self.box = tma_box(page=page, tile_n=tile_n)
@@ -184,7 +185,7 @@ class ExtendKernel:
             # round finds the request that holds the (t - F(d))-th tile of the level.
             cu = cute.make_tensor(cu_ptr, cute.make_layout((self.batch + 1,)))
             lane = cute.arch.lane_idx()
-            d_max = const_expr(-(-self.s // self.block_m))  # a request's most row tiles
+            d_max = const_expr(self.row_tiles)
             # branch-free: every lane takes every shuffle and ballot
             real_tiles = self._tiles_below(cu, lane, Int32(d_max))
             lo = Int32(0)  # F(lo) <= t < F(hi) (for t < real_tiles)
@@ -218,9 +219,8 @@ class ExtendKernel:
                 pad_from = end + (t - real_tiles) * self.block_m
                 r0 = Int32(0)
         else:
-            per_req = const_expr(-(-self.s // self.block_m))
             b = t % self.batch
-            r0 = (per_req - 1 - t // self.batch) * self.block_m - self.pad
+            r0 = (self.row_tiles - 1 - t // self.batch) * self.block_m - self.pad
             row0 = Int64(b) * self.s
         return b, r0, n_b, row0, pad_from
 
