@@ -467,6 +467,37 @@ def test_gpu_cute_extend_persistent_ctas_take_many_items(name, kw, options, vari
 
 @pytest.mark.gpu
 @needs_cute
+@pytest.mark.parametrize("ctas", [0, 1, 5])
+@pytest.mark.parametrize("packed,d", [(False, 128), (True, 64), (False, 256)],
+                         ids=["4d_d128", "packed_d64", "4d_d256"])
+def test_gpu_cute_extend_row_tiles_without_keys(packed, d, ctas, monkeypatch):
+    """Row tiles that see no key (kv_start past their causal limit) between tiles that do, in every order within a
+    CTA's items: an item stays open until the next one's first softmax (its last P V issued with that item's
+    first S, or alone where that item has no key tile), and after an item of no key the next one issues its
+    first S with a product on its own first tile that no store reads; the rows of no key must come out as zeros
+    and lse = -inf, the others as the reference's. Slots before each kv_start are NaN."""
+    _few_ctas(monkeypatch, ctas)
+    lens, q_lens, starts = [800, 300, 700, 420], [300, 300, 130, 300], [700, 0, 660, 0]
+    kw = dict(batch=4, hq=8, hkv=2, d=d, page_size=16, lens=lens, sinks=True, nan_unused=True)
+    kw.update(dict(packed=True, q_lens=q_lens) if packed else dict(q_len=300))
+    t = make_inputs(**kw, device="cuda", seed=11 + ctas + d)
+    t["kv_start"] = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    pt = t["page_table"].long().cpu()
+    for b, start in enumerate(starts):  # slots before kv_start: NaN (evicted keys no row may read)
+        j = torch.arange(start)
+        t["k_cache"][pt[b, j // 16], j % 16] = float("nan")
+        t["v_cache"][pt[b, j // 16], j % 16] = float("nan")
+    options = dict(kv_layout="NHD", causal=True, window_left=-1, softcap=0.0)
+    ref_out, ref_lse = _reference(t, options)
+    assert torch.isinf(ref_lse).any() and not torch.isinf(ref_lse).all()  # rows of no key, and rows of keys
+    out, lse, plan, _ = run_family(t, options, "cute")
+    torch.cuda.synchronize()
+    assert plan.family == "cute" and plan.mode == "extend"
+    check_close(out, lse, ref_out, ref_lse, what=f"rows without keys {plan} ctas={ctas}")
+
+
+@pytest.mark.gpu
+@needs_cute
 @pytest.mark.parametrize("ctas", [0, 3])
 def test_gpu_cute_extend_cuda_graph_replay(ctas, monkeypatch):
     """Packed extend: capture once; poison the outputs, change lengths and page tables in place, replay (with

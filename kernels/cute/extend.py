@@ -14,9 +14,12 @@ even r and backward for odd r, so the CTA that takes a round's longest item take
 partial last round runs forward). The K/V ring, its barrier phases and the consumers' GEMM turns run on across
 a CTA's items, so the producer loads the next item's first tiles while the consumers finish the last one. Each
 consumer warpgroup issues its next item's Q rows a whole item ahead, into the second of two Q tiles where
-shared memory holds two (D 64), else as soon as its last S = Q K^T is done (before its last P V and its
-epilogue); it maps the next item's tile to its request (for packed q, from cu_seqlens_q) and reads that
-request's live length (and kv_start) an item ahead too, so no load of the item's start waits at its first tile:
+shared memory holds two (D 64), else as soon as its last S = Q K^T is done (before its last softmax); it maps the
+next item's tile to its request (for packed q, from cu_seqlens_q) and reads that request's live length (and
+kv_start) an item ahead too, so no load of the item's start waits at its first tile. At D <= 128 an item stays
+open past its end (`overlap`): its last P V is issued with the next item's first S in one GEMM turn, and its rows
+are stored once the next item's first softmax is done, so no product runs alone at an item's boundary (at D 256
+the 64 x 256 accumulators leave no registers for it: an item closes at its end):
 
 - warpgroup 0, the producer (after setmaxnreg 56 registers, 32 beside three consumers), loads each BN-key
   tile into a STAGES-deep ring of shared-memory buffers, first K, then V, and never waits on its own loads,
@@ -48,7 +51,7 @@ request's live length (and kv_start) an item ahead too, so no load of the item's
 - the consumers take turns issuing their GEMMs, in a ring (named barriers NC + 1 .. 2 NC; 1 .. NC are their Q
   loads'), as FlashAttention-3's ping-pong: one warpgroup's softmax runs while another's products occupy the
   tensor cores.
-- each consumer's output leaves from registers (`_epilogue`): lanes trade one pair of columns per two column
+- each consumer's output leaves from registers (`_store`): lanes trade one pair of columns per two column
   groups so that each store writes 8 contiguous bytes, 8 rows x 32 bytes per warp instruction (out's rows
   start on 16 bytes, which `_run_extend` checks). Staged through shared memory, it would hold the Q rows the
   next item's Q is loaded into.
@@ -68,12 +71,14 @@ request on the device from cu_seqlens_q (a warp reads 32 requests' rows a round,
 over write zeros and lse = -inf into the padding rows. Packed tiles run longest first as 4D ones do: in request
 order, the snake order left CTAs far apart in work (benchmarks/results/h200.md, "Session 59").
 
-What limits it (benchmarks/results/h200.md, "CuTe DSL extend", "Session 33" and "Session 35"): 419-593 TFLOP/s at
-D 128, page 16, with TMA; the short prefills keep a cost per item (its first S and last P V not overlapped), and
-the static item order leaves some imbalance between CTAs (the plain order c, c + CTAs, ... computes to up to 3.1 %
-over the mean at 1x16384 and 4x4096, the snake order to 0.1-0.3 %). Before TMA (405-461), Nsight Compute had each
-consumer warpgroup spending about half its time in the softmax, most of it issuing MUFU.EX2 (the SFU is shared with
-the other warpgroup's softmax on the same SM sub-partition).
+What limits it (benchmarks/results/h200.md, "CuTe DSL extend", "Session 33", "Session 35", "Session 61"): 419-593
+TFLOP/s at D 128, page 16, with TMA; the short prefills keep a cost per item (fitted on an H100 over 64x256,
+32x512 and 16x1024: about 3.1 us of a CTA an item at D 128 and 2.1 at D 64, against 1.4 and 1.2 for SDPA's
+kernel, whose several CTAs an SM hide theirs), and the static item order leaves some imbalance between CTAs (the
+plain order c, c + CTAs, ... computes to up to 3.1 % over the mean at 1x16384 and 4x4096, the snake order to
+0.1-0.3 %). Before TMA (405-461), Nsight Compute had each consumer warpgroup spending about half its time in the
+softmax, most of it issuing MUFU.EX2 (the SFU is shared with the other warpgroup's softmax on the same SM
+sub-partition).
 """
 
 from __future__ import annotations
@@ -126,6 +131,9 @@ class ExtendKernel:
         self.items = hq * self.tiles  # work items: (query head, row tile), item = hq + Hq x tile
         self.ctas = min(self.items, sm_count) if sm_count > 0 else self.items  # persistent: one CTA per SM
         self.box = tma_box(page=page, tile_n=tile_n)
+        # an item's last P V issued with the next item's first S, its epilogue after the next item's first softmax
+        # (the consumer loop's "open item"); not at D 256, whose 64 x 256 accumulators leave no registers for it
+        self.overlap = d <= 128
 
     @cute.jit
     def __call__(
@@ -388,6 +396,8 @@ class ExtendKernel:
             # ends complete)
             if wgc == self.nc - 1:
                 self._pass_turn(wgc)
+            if const_expr(self.overlap):
+                r_p.fill(0.0)  # finite before the first tile (the open item's product without keys reads it)
             done = Int32(0)
             qs = Int32(0)  # the Q tile of this warpgroup's next item (toggles after each item with two tiles)
             # the next item's tile map and its request's live length and first visible key, an item ahead
@@ -395,6 +405,18 @@ class ExtendKernel:
             n_length, n_start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, nb, cap)
             q_pending = self._issue_q(q_ptr, cta, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss, q_sh, ctid, wgc,
                                       wQ, qs)  # the first item's Q
+            # The open item (self.overlap): the one before this, whose last P V and stores are still to come.
+            # Its last P V is issued with this item's first S = Q K^T, and its rows are stored after this item's
+            # first softmax, so that an item's boundary leaves no product alone on the tensor cores. acc_o holds
+            # its rows until then; fin their factors and lse (`_finalize`), p_idx0, p_r0, p_n_b where they go
+            # (`_store`); p_tiles its key tiles (-1: no open item; 0: no P V to issue), its last one ring tile
+            # done - 1. Without overlap an item closes at its own end.
+            OV = const_expr(self.overlap)
+            p_tiles = Int32(-1)
+            p_idx0 = Int64(0)
+            p_r0 = Int32(0)
+            p_n_b = Int32(0)
+            fin = cute.make_rmem_tensor((4,), Float32)
             for k in cutlass.range(cta, self.items, self.ctas, unroll=1):
                 item = self._item(k, cta)
                 hq = item % self.hq
@@ -407,6 +429,11 @@ class ExtendKernel:
                 nb, nr0, nn_b, nrow0, npad_from = self._tile_map(cu_ptr, nxt // self.hq)
                 n_length, n_start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, nb, cap)
                 if pad_from >= 0:
+                    if const_expr(OV):
+                        if p_tiles >= 0:
+                            self._close(acc_o, t_orp, tOrV, t_co, fin, p_tiles, done - 1, mbar, p_idx0, p_r0, p_n_b,
+                                        out_ptr, lse_rows, tidx % 32)
+                            p_tiles = Int32(-1)
                     self._pad_rows(out_ptr, lse_rows, hq, pad_from, ctid)
                 else:
                     lo, hi, full_lo, full_hi, n_tiles = self._key_range(length, start, r0, n_b, window_left)
@@ -422,23 +449,53 @@ class ExtendKernel:
                                                   ctid, wgc, wQ, 1 - qs)
                     k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h,
                                               sm_scale, b, h)
-                    acc_o.fill(0.0)
+                    if const_expr(not OV):
+                        acc_o.fill(0.0)
                     for i in cutlass.range_constexpr(2):
                         m_run[i] = Float32(NEG_BIG)
                         l_run[i] = Float32(0.0)
                         # causal limits of this thread's two rows (fragment rows r and r + 8)
                         limit[i] = length - n_b + r0 + t_cs[2 * i][0]
                     if n_tiles > 0:
-                        # tile 0: scores and softmax; its P V is issued with the next tile's scores
+                        # tile 0: scores and softmax, in flight with the open item's last P V; tile 0's P V is
+                        # issued with the next tile's scores
                         cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, done % NS), stage_phase(done, NS))
+                        # with the open item's last P V (on ring tile done - 1) where it has key tiles; else the
+                        # same product on this item's tile 0 (its V waited for here), whose result no store reads
+                        # (acc_o is the open item's rows of no key, all scaled by 0, or no item's; P is finite:
+                        # zeros before the CTA's first tile, softmaxed scores after). Issued on every path: ptxas
+                        # serialized every wgmma of the kernel for a P V under a branch (C7520) in some builds.
+                        v_g = done
+                        if const_expr(OV):
+                            v_g = done - Int32(p_tiles > 0)
+                            cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, v_g % NS), stage_phase(v_g, NS))
                         cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
                         self._take_turn(wgc)
                         warpgroup.fence()
                         self._scores(acc_s, tSrQ, tSrK, done % NS, qs)
+                        if const_expr(OV):
+                            self._pv(acc_o, t_orp, tOrV, v_g % NS)
                         self._pass_turn(wgc)
-                        warpgroup.wait_group(0)
+                        warpgroup.wait_group(1 if OV else 0)
+                        if const_expr(self.q_bufs == 1 and OV):
+                            if n_tiles == 1:
+                                q_pending = self._next_q(q_ptr, nxt, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss,
+                                                         q_sh, ctid, wgc, wQ, qs)
                         online_softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo, hi, start, full_lo, full_hi,
                                        k_scale, softcap, window_left, **self._masks())
+                    if const_expr(OV):
+                        if n_tiles == 0:
+                            if p_tiles > 0:  # no first S to go with: the open item's last P V alone
+                                self._last_pv(acc_o, t_orp, tOrV, mbar, done - 1)
+                        # the open item's last P V is done (waited for on every path: ptxas does not follow which
+                        # paths issued it, and serializes the products where a path might read or write its
+                        # accumulators before a wait); its epilogue runs while the other consumer warpgroups'
+                        # products do
+                        warpgroup.wait_group(0)
+                        if p_tiles >= 0:
+                            self._close(acc_o, t_orp, tOrV, t_co, fin, p_tiles, done - 1, mbar, p_idx0, p_r0, p_n_b,
+                                        out_ptr, lse_rows, tidx % 32, issued=True)
+                        acc_o.fill(0.0)
                     for it in cutlass.range(1, n_tiles, unroll=1):
                         # P V of tile it - 2 is done (its wait sits here, a loop iteration away from the softmax,
                         # so the compiler cannot move it ahead of the exponentials): O to tile it - 1's max, P of
@@ -461,33 +518,44 @@ class ExtendKernel:
                         self._pv(acc_o, t_orp, tOrV, prev)
                         self._pass_turn(wgc)
                         warpgroup.wait_group(1)
+                        if const_expr(self.q_bufs == 1 and OV):
+                            if it == n_tiles - 1:  # the item's last S is done: the next item's Q goes in
+                                q_pending = self._next_q(q_ptr, nxt, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss,
+                                                         q_sh, ctid, wgc, wQ, qs)
                         online_softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo + it * BN, hi, start, full_lo,
                                        full_hi, k_scale, softcap, window_left, **self._masks())
-                    g_last = done + n_tiles - 1
-                    last = g_last % NS
                     if n_tiles > 0:
+                        # the last tile's P into registers; its P V goes with the next item's first S (overlap)
                         warpgroup.wait_group(0)
                         self._rescale_and_convert(acc_o, alpha, r_p, acc_s)
                         if n_tiles >= 2:
-                            cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (g_last - 1) % NS))
+                            cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (done + n_tiles - 2) % NS))
                     if const_expr(self.q_bufs == 1):
-                        # no product reads this warpgroup's Q rows any more (its last S = Q K^T is done): the next
-                        # item's Q goes in while the last P V and the epilogue run
-                        cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
-                        q_pending = self._issue_q(q_ptr, nxt, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss, q_sh,
-                                                  ctid, wgc, wQ, qs)
+                        # with overlap the next item's Q went in once this item's last S was done (its first, or
+                        # the loop's last); without, it goes in now, before the last P V and the epilogue
+                        go = Int32(1)
+                        if const_expr(OV):
+                            go = Int32(n_tiles == 0)
+                        if go != 0:
+                            q_pending = self._next_q(q_ptr, nxt, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss, q_sh,
+                                                     ctid, wgc, wQ, qs)
                     else:
                         qs = 1 - qs
-                    if n_tiles > 0:
-                        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, last), stage_phase(g_last, NS))
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        warpgroup.fence()
-                        self._pv(acc_o, t_orp, tOrV, last)
-                        warpgroup.wait_group(0)
-                        cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, last))
-                    self._epilogue(acc_o, t_co, m_run, l_run, v_scale, sinks_ptr, has_sinks, hq, r0, n_b, row0,
-                                   out_ptr, lse_rows, tidx % 32)
+                    self._finalize(m_run, l_run, v_scale, sinks_ptr, has_sinks, hq, fin)
+                    idx0 = (row0 + Int64(r0)) * self.hq + Int64(hq)  # the tile's row 0 in out and lse
+                    if const_expr(OV):
+                        p_tiles = n_tiles
+                        p_idx0 = idx0
+                        p_r0 = r0
+                        p_n_b = n_b
+                    else:
+                        self._close(acc_o, t_orp, tOrV, t_co, fin, n_tiles, done + n_tiles - 1, mbar, idx0, r0, n_b,
+                                    out_ptr, lse_rows, tidx % 32)
                     done = done + n_tiles
+            if const_expr(OV):
+                if p_tiles >= 0:  # the CTA's last item
+                    self._close(acc_o, t_orp, tOrV, t_co, fin, p_tiles, done - 1, mbar, p_idx0, p_r0, p_n_b, out_ptr,
+                                lse_rows, tidx % 32)
             if wgc == 0:
                 self._take_turn(0)  # the last warpgroup's last pass
 
@@ -529,6 +597,48 @@ class ExtendKernel:
                 issued = Int32(1)
         return issued
 
+    @cute.jit
+    def _next_q(self, q_ptr: cute.Pointer, item: Int32, b: Int32, r0: Int32, n_b: Int32, row0: Int64,
+                pad_from: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64, ctid: Int32, wgc: Int32, wQ: cute.Tensor,
+                qs: Int32):
+        """One Q tile (D >= 128): once this warpgroup's last S = Q K^T of the item is done (waited for by each
+        thread, then a barrier of the warpgroup), the next item's Q rows go into the tile (`_issue_q`), landing
+        while the item's last softmax, its last P V and the next item's wait run."""
+        cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
+        return self._issue_q(q_ptr, item, b, r0, n_b, row0, pad_from, q_sb, q_ss, q_sh, ctid, wgc, wQ, qs)
+
+    @cute.jit
+    def _close(self, acc_o: cute.Tensor, t_orp: cute.Tensor, tOrV: cute.Tensor, t_co: cute.Tensor,
+               fin: cute.Tensor, tiles: Int32, g_last: Int32, mbar: cute.Pointer, idx0: Int64, r0: Int32, n_b: Int32,
+               out_ptr: cute.Pointer, lse_rows: cute.Tensor, lane: Int32, issued: cutlass.Constexpr = False):
+        """Finishes an item (its last tile's P in registers, its rows' factors and lse in fin: `_finalize`): its
+        last P V, on ring tile g_last where it has `tiles` > 0 (already issued where `issued`, with the next
+        item's first S; else issued here, alone), then its stage released and its rows stored (`_store`)."""
+        NS = const_expr(self.stages)
+        if const_expr(not issued):
+            if tiles > 0:
+                self._last_pv(acc_o, t_orp, tOrV, mbar, g_last)
+                if const_expr(not self.overlap):
+                    warpgroup.wait_group(0)
+            if const_expr(self.overlap):
+                # on every path: with the open item ptxas does not follow that no product is in flight on the
+                # path without key tiles, and serialized every wgmma of the kernel for the epilogue's reads
+                # there; without it, the wait in this place made ptxas spill 144 bytes a thread at D 256
+                warpgroup.wait_group(0)
+        if tiles > 0:
+            cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, g_last % NS))
+        self._store(acc_o, t_co, fin, idx0, r0, n_b, out_ptr, lse_rows, lane)
+
+    @cute.jit
+    def _last_pv(self, acc_o: cute.Tensor, t_orp: cute.Tensor, tOrV: cute.Tensor, mbar: cute.Pointer,
+                 g_last: Int32):
+        """Issues an item's last P V alone (outside the GEMM turns), on ring tile g_last once its V has landed."""
+        NS = const_expr(self.stages)
+        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, g_last % NS), stage_phase(g_last, NS))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        warpgroup.fence()
+        self._pv(acc_o, t_orp, tOrV, g_last % NS)
+
     @staticmethod
     def _wait_q(wgc):
         """This warpgroup's Q rows have landed (its cp.async copies, then a barrier of the warpgroup) and are
@@ -538,27 +648,15 @@ class ExtendKernel:
         cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
 
     @cute.jit
-    def _epilogue(self, acc_o: cute.Tensor, t_co: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor,
-                  v_scale: Float32, sinks_ptr: cute.Pointer, has_sinks: Int32, hq: Int32, r0: Int32, n_b: Int32,
-                  row0: Int64, out_ptr: cute.Pointer, lse_rows: cute.Tensor, lane: Int32):
-        """The sink folded into each row's denominator, the normalized output rows and their natural-log lse
-        (zeros and -inf for a row that saw no key), for this consumer warpgroup's 64 rows, straight from the
-        registers: no shared memory, so the Q rows are free for the next item's Q once the last S = Q K^T is
-        done.
-
-        A thread holds, per row, 32-bit pairs of columns 8 j + 2 q (q = lane % 4) for every group j of 8
-        columns. Lanes q and q ^ 1 trade one pair per two groups (one shuffle): the even lane then holds 4
-        adjacent columns of group 2 i, the odd lane 4 of group 2 i + 1, and each stores them as one 8-byte
-        write, so every warp store instruction fills 8 rows x 32 contiguous bytes (whole sectors)."""
-        D = const_expr(self.d)
-        dt = self.dtype
-        NG = const_expr(D // 8)
-        odd = lane % 2
+    def _finalize(self, m_run: cute.Tensor, l_run: cute.Tensor, v_scale: Float32, sinks_ptr: cute.Pointer,
+                  has_sinks: Int32, hq: Int32, fin: cute.Tensor):
+        """An item's softmax state to what its epilogue needs, per row half rh of this thread: the sink folded
+        into the denominator, fin[rh] the factor of the row's output (0 for a row that saw no key) and
+        fin[2 + rh] its natural-log lse (-inf for such a row)."""
         sink = Float32(NEG_BIG)
         if has_sinks != 0:
             sinks = cute.make_tensor(sinks_ptr, cute.make_layout((1 << 30,)))
             sink = Float32(sinks[hq]) * Float32(LOG2E)
-        pair = cute.make_rmem_tensor((2,), Uint32)
         for rh in cutlass.range_constexpr(2):
             l_r = l_run[rh]
             l_r = l_r + cute.arch.shuffle_sync_bfly(l_r, offset=1)
@@ -570,12 +668,37 @@ class ExtendKernel:
             if seen:
                 l_f = l_r * cute.arch.exp2(m_r - m_f) + cute.arch.exp2(sink - m_f)
             f = Float32(0.0)
+            lse = Float32(-math.inf)
             if seen:
                 f = cute.arch.exp2(m_r - m_f) * v_scale / l_f
+                lse = (m_f + cute.math.log2(l_f)) * Float32(LN2)
+            fin[rh] = f
+            fin[2 + rh] = lse
+
+    @cute.jit
+    def _store(self, acc_o: cute.Tensor, t_co: cute.Tensor, fin: cute.Tensor, idx0: Int64, r0: Int32, n_b: Int32,
+               out_ptr: cute.Pointer, lse_rows: cute.Tensor, lane: Int32):
+        """The item's normalized output rows and their lse (`_finalize`'s fin) for this consumer warpgroup's 64
+        rows, straight from the registers: no shared memory, so the Q rows are free for the next item's Q once
+        the last S = Q K^T is done. Tile row `row` is the request's row r0 + row (stored where in [0, n_b)), at
+        (idx0 + row x Hq) x D in out and idx0 + row x Hq in lse (idx0: the tile's row 0 and query head).
+
+        A thread holds, per row, 32-bit pairs of columns 8 j + 2 q (q = lane % 4) for every group j of 8
+        columns. Lanes q and q ^ 1 trade one pair per two groups (one shuffle): the even lane then holds 4
+        adjacent columns of group 2 i, the odd lane 4 of group 2 i + 1, and each stores them as one 8-byte
+        write, so every warp store instruction fills 8 rows x 32 contiguous bytes (whole sectors)."""
+        D = const_expr(self.d)
+        dt = self.dtype
+        NG = const_expr(D // 8)
+        odd = lane % 2
+        pair = cute.make_rmem_tensor((2,), Uint32)
+        for rh in cutlass.range_constexpr(2):
+            f = fin[rh]
             row = t_co[2 * rh][0]
             r = r0 + row
             mine = (r >= 0) & (r < n_b)  # a row of the request (not past it, nor below the tile's row 0)
-            out_row = out_ptr.toint() + ((row0 + Int64(r)) * self.hq + Int64(hq)) * D * 2
+            idx = idx0 + Int64(row) * self.hq
+            out_row = out_ptr.toint() + idx * D * 2
             for i in cutlass.range_constexpr(NG // 2):
                 e0 = const_expr(8 * i + 2 * rh)  # the pair of group 2 i in this row half (element e0, e0 + 1)
                 e1 = const_expr(e0 + 4)  # the pair of group 2 i + 1
@@ -599,10 +722,7 @@ class ExtendKernel:
                     cute.autovec_copy(pair, dst)
             if mine:
                 if t_co[2 * rh][1] == 0:
-                    lse = Float32(-math.inf)
-                    if seen:
-                        lse = (m_f + cute.math.log2(l_f)) * Float32(LN2)
-                    lse_rows[(row0 + Int64(r)) * self.hq + Int64(hq)] = lse
+                    lse_rows[idx] = fin[2 + rh]
 
     @cute.jit
     def _pad_rows(self, out_ptr: cute.Pointer, lse_rows: cute.Tensor, hq: Int32, pad_from: Int32, ctid: Int32):
@@ -665,13 +785,16 @@ class ExtendKernel:
         warpgroup.commit_group()
 
     @cute.jit
-    def _pv(self, acc_o: cute.Tensor, t_orp: cute.Tensor, tOrV: cute.Tensor, stage: Int32):
-        """Issues O += P V with P from registers and the V tile in `stage` (one commit group)."""
+    def _pv(self, acc_o: cute.Tensor, t_orp: cute.Tensor, tOrV: cute.Tensor, stage: Int32,
+            commit: cutlass.Constexpr = True):
+        """Issues O += P V with P from registers and the V tile in `stage` (one commit group, or none where not
+        `commit`: the caller's)."""
         mma_pv = self._mma_pv()
         mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         for k in cutlass.range_constexpr(self.tile_n // 16):
             cute.gemm(mma_pv, acc_o, t_orp[None, None, k], tOrV[None, None, k, stage], acc_o)
-        warpgroup.commit_group()
+        if const_expr(commit):
+            warpgroup.commit_group()
 
     @cute.jit
     def _produce(self, tidx: Int32, b: Int32, h: Int32, lo: Int32, hi: Int32, length: Int32, n_tiles: Int32,
