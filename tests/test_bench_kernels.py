@@ -201,3 +201,11 @@ def test_peers_for_sink_rows():
     assert names == ["flashinfer"]
     with pytest.raises(kernels.Unable, match="ignore sinks"):
         kernels.flashinfer_call(None, kernels.GPT_OSS_SWA, "decode")
+
+
+def test_device_tag_names_results_after_the_device():
+    """The default --tag of the suites: a run on an H100 never writes over the H200's result files."""
+    from b12x_inductor.bench import device_tag
+
+    assert device_tag("NVIDIA H200") == "h200" and device_tag("NVIDIA H100 80GB HBM3") == "h100"
+    assert device_tag("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090" and device_tag("cpu") == "cpu"

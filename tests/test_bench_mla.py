@@ -31,7 +31,7 @@ def _cpu(monkeypatch):
 
 def _run(tmp_path, *extra):
     bench.main(TINY + ["--out", str(tmp_path)] + list(extra))
-    return json.loads((tmp_path / "mla_h200.json").read_text())
+    return json.loads((tmp_path / "mla_cpu.json").read_text())  # the default --tag: the device's
 
 
 def test_dry_run_every_row(tmp_path, capsys):

@@ -10,3 +10,17 @@ Suites (one module each in this package):
 """
 
 SUITES = ("kernels", "mla", "hf", "gptfast", "serve")
+
+
+def device_tag(name: str) -> str:
+    """The default --tag of a suite's result files for a device named `name` (torch.cuda.get_device_name(), or
+    "cpu" for a dry run): "h200" or "h100" for those GPUs, else the name in lower case with runs of other
+    characters than letters and digits as "-". A run on one GPU then never overwrites another's results."""
+    import re
+
+    low = name.lower()
+    for gpu in ("h200", "h100"):
+        if gpu in low:
+            return gpu
+    return re.sub(r"[^a-z0-9]+", "-", low).strip("-") or "device"
+

@@ -42,7 +42,7 @@ on L keys, a chunked prefill when S < L), --sizes BxL (dry run: every row that s
 --flex-rows (only these row labels get FlexAttention), --packed (extend rows also time "b12x-packed": the op on q
 packed [B x S, Hq, D] with cu_seqlens_q, as the serving engine calls extend), --packed-batch M (implies --packed:
 cu_seqlens_q, the page table and the lengths of b12x-packed padded to M requests, as the serving engine pads them
-to its max_batch; the requests past B have no new tokens and no keys), --tag (JSON/PNG name), --profile (no
+to its max_batch; the requests past B have no new tokens and no keys), --tag (JSON/PNG name; default the device's: h200, h100, ...), --profile (no
 timing: after its reference check each implementation runs once more inside an NVTX range named after it, for
 `ncu --nvtx --nvtx-include "b12x-cute/" python -m b12x_inductor.bench ... --profile`), --warm-peers (JIT-build
 FlashInfer's modules for the selected rows and exit).
@@ -63,6 +63,8 @@ import sys
 import time
 
 import torch
+
+from b12x_inductor.bench import device_tag
 
 L2_BYTES = 60 * 2**20
 MAX_SETS = 64  # rotating input sets per row, at most (a windowed row touches little of each set)
@@ -753,7 +755,7 @@ def main(argv) -> None:
                     "stages:warps[:block_m],...' (0 keeps the plan's value; variants with splits skip extend rows)")
     ap.add_argument("--families", default="", help="also time these kernel families' plans, e.g. 'triton,cute' "
                     "(b12x-<family> rows; 'b12x' is always the plan select_plan picks)")
-    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--tag", default="", help="result files' suffix (default: the device's, e.g. h200, h100)")
     ap.add_argument("--flex-rows", default="", help="only these rows get FlexAttention (its compile is slow), "
                     "e.g. 'decode 8x8192,extend 1x16384'; default all")
     ap.add_argument("--models", default="", help=f"model rows of these models only, among {','.join(MODELS)} "
@@ -805,6 +807,7 @@ def main(argv) -> None:
     versions = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
                     date=datetime.datetime.now(datetime.timezone.utc)
                     .strftime("%Y-%m-%d %H:%M UTC"))
+    tag = args.tag or device_tag(versions["device"])
     try:
         import triton
 
@@ -834,10 +837,10 @@ def main(argv) -> None:
     doc = dict(versions=versions, copy_bandwidth_tbps=bw, copy_bandwidth_by_method=bw_all, argv=list(argv),
                shape=dict(hq=default_shape.hq, hkv=default_shape.hkv, d=default_shape.d,
                           page_size=default_shape.page), rows=results, seconds=time.time() - t0)
-    with open(os.path.join(args.out, f"kernels_{args.tag}.json"), "w") as f:
+    with open(os.path.join(args.out, f"kernels_{tag}.json"), "w") as f:
         json.dump(doc, f, indent=1)
     try:
-        chart(results, os.path.join(args.out, f"kernels_{args.tag}.png"))
+        chart(results, os.path.join(args.out, f"kernels_{tag}.png"))
     except Exception as e:
         log(f"chart skipped: {type(e).__name__}: {e}")
-    log(f"wrote {args.out}/kernels_{args.tag}.json ({time.time() - t0:.0f} s)")
+    log(f"wrote {args.out}/kernels_{tag}.json ({time.time() - t0:.0f} s)")

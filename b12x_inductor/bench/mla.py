@@ -28,7 +28,7 @@ copy bandwidth, argv, rows) to DIR/mla_<tag>.json.
 
 Options: --heads (comma list, default 128,16), --rows decode,verify,fp8 (default all), --page-size (keys per
 page, default 64; L must be a multiple), --peers flashinfer (default; '' for b12x alone), --out DIR (default
-benchmarks/results), --tag (default h200), --sizes BxL (dry run: every row at that size, duplicates dropped,
+benchmarks/results), --tag (default the device's: h200, h100, ...), --sizes BxL (dry run: every row at that size, duplicates dropped,
 e.g. 2x128), --variants (tuning: '[family:]splits:block_n:stages:warps[:block_m][:vk],...' (vk: V's tile
 taken from K's, plan.v_from_k), family default
 triton, 0 keeps the plan's value: that family's plan through plan.family_plan, as bench/kernels.py's
@@ -50,7 +50,7 @@ import time
 
 import torch
 
-from b12x_inductor.bench import kernels
+from b12x_inductor.bench import device_tag, kernels
 from b12x_inductor.bench.kernels import L2_BYTES, copy_bandwidth, log, reference_check, time_graph
 
 RANK, ROPE = 512, 64  # kv_lora_rank (the values, out's width) and the rope key: 576 values a token
@@ -438,7 +438,7 @@ def todo_rows(rows, heads, sizes=""):
 def main(argv) -> None:
     ap = argparse.ArgumentParser(prog="python -m b12x_inductor.bench mla")
     ap.add_argument("--out", default="benchmarks/results", help="directory of mla_<tag>.json")
-    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--tag", default="", help="result files' suffix (default: the device's, e.g. h200, h100)")
     ap.add_argument("--heads", default=",".join(map(str, HEADS)), help="query heads H, comma list (default "
                     "128,16)")
     ap.add_argument("--rows", default="decode,verify,fp8")
@@ -470,6 +470,7 @@ def main(argv) -> None:
         variants.append((fam, tuple(y if y == "vk" else int(y) for y in rest.split(":"))))
     versions = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if _device() == "cuda"
                     else _device(), date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    tag = args.tag or device_tag(versions["device"])
     import triton
 
     versions["triton"] = triton.__version__
@@ -491,7 +492,7 @@ def main(argv) -> None:
                shape=dict(kv_lora_rank=RANK, rope_dim=ROPE, page_size=PAGE, scale=SCALE, q_dtype="bfloat16",
                           fp8_descale=FP8_DESCALE),
                peers_skipped=skipped, rows=results, markdown=table, seconds=time.time() - t0)
-    path = os.path.join(args.out, f"mla_{args.tag}.json")
+    path = os.path.join(args.out, f"mla_{tag}.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     log(f"wrote {path} ({time.time() - t0:.0f} s)")
