@@ -51,7 +51,7 @@ the 64 x 256 accumulators leave no registers for it: an item closes at its end):
 - the consumers take turns issuing their GEMMs, in a ring (named barriers NC + 1 .. 2 NC; 1 .. NC are their Q
   loads'), as FlashAttention-3's ping-pong: one warpgroup's softmax runs while another's products occupy the
   tensor cores.
-- each consumer's output leaves from registers (`_store`): lanes trade one pair of columns per two column
+- each consumer's output leaves from registers (`_store_half`): lanes trade one pair of columns per two column
   groups so that each store writes 8 contiguous bytes, 8 rows x 32 bytes per warp instruction (out's rows
   start on 16 bytes, which `_run_extend` checks). Staged through shared memory, it would hold the Q rows the
   next item's Q is loaded into.
@@ -532,25 +532,28 @@ class ExtendKernel:
                             cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (done + n_tiles - 2) % NS))
                     if const_expr(self.q_bufs == 1):
                         # with overlap the next item's Q went in once this item's last S was done (its first, or
-                        # the loop's last); without, it goes in now, before the last P V and the epilogue
-                        go = Int32(1)
+                        # the loop's last; here where it has no key tile); without, it goes in now, before the
+                        # last P V and the epilogue
                         if const_expr(OV):
-                            go = Int32(n_tiles == 0)
-                        if go != 0:
+                            if n_tiles == 0:
+                                q_pending = self._next_q(q_ptr, nxt, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss,
+                                                         q_sh, ctid, wgc, wQ, qs)
+                        else:
                             q_pending = self._next_q(q_ptr, nxt, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss, q_sh,
                                                      ctid, wgc, wQ, qs)
                     else:
                         qs = 1 - qs
-                    self._finalize(m_run, l_run, v_scale, sinks_ptr, has_sinks, hq, fin)
-                    idx0 = (row0 + Int64(r0)) * self.hq + Int64(hq)  # the tile's row 0 in out and lse
                     if const_expr(OV):
+                        self._finalize(m_run, l_run, v_scale, self._sink(sinks_ptr, has_sinks, hq), fin)
                         p_tiles = n_tiles
-                        p_idx0 = idx0
+                        p_idx0 = (row0 + Int64(r0)) * self.hq + Int64(hq)  # the tile's row 0 in out and lse
                         p_r0 = r0
                         p_n_b = n_b
                     else:
-                        self._close(acc_o, t_orp, tOrV, t_co, fin, n_tiles, done + n_tiles - 1, mbar, idx0, r0, n_b,
-                                    out_ptr, lse_rows, tidx % 32)
+                        # the item closes at its end: its last P V alone, then its epilogue
+                        self._drain(acc_o, t_orp, tOrV, n_tiles, done + n_tiles - 1, mbar)
+                        self._epilogue(acc_o, t_co, m_run, l_run, v_scale, sinks_ptr, has_sinks, hq, r0, n_b, row0,
+                                       out_ptr, lse_rows, tidx % 32)
                     done = done + n_tiles
             if const_expr(OV):
                 if p_tiles >= 0:  # the CTA's last item
@@ -611,9 +614,16 @@ class ExtendKernel:
     def _close(self, acc_o: cute.Tensor, t_orp: cute.Tensor, tOrV: cute.Tensor, t_co: cute.Tensor,
                fin: cute.Tensor, tiles: Int32, g_last: Int32, mbar: cute.Pointer, idx0: Int64, r0: Int32, n_b: Int32,
                out_ptr: cute.Pointer, lse_rows: cute.Tensor, lane: Int32, issued: cutlass.Constexpr = False):
-        """Finishes an item (its last tile's P in registers, its rows' factors and lse in fin: `_finalize`): its
-        last P V, on ring tile g_last where it has `tiles` > 0 (already issued where `issued`, with the next
-        item's first S; else issued here, alone), then its stage released and its rows stored (`_store`)."""
+        """Finishes the open item (its last tile's P in registers, its rows' factors and lse in fin: `_finalize`):
+        its last P V and stage (`_drain`), then its rows stored (`_store`)."""
+        self._drain(acc_o, t_orp, tOrV, tiles, g_last, mbar, issued)
+        self._store(acc_o, t_co, fin, idx0, r0, n_b, out_ptr, lse_rows, lane)
+
+    @cute.jit
+    def _drain(self, acc_o: cute.Tensor, t_orp: cute.Tensor, tOrV: cute.Tensor, tiles: Int32, g_last: Int32,
+               mbar: cute.Pointer, issued: cutlass.Constexpr = False):
+        """An item's last P V, on ring tile g_last where it has `tiles` > 0 (already issued where `issued`, with
+        the next item's first S; else issued here, alone), waited for, then its stage released."""
         NS = const_expr(self.stages)
         if const_expr(not issued):
             if tiles > 0:
@@ -627,7 +637,6 @@ class ExtendKernel:
                 warpgroup.wait_group(0)
         if tiles > 0:
             cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, g_last % NS))
-        self._store(acc_o, t_co, fin, idx0, r0, n_b, out_ptr, lse_rows, lane)
 
     @cute.jit
     def _last_pv(self, acc_o: cute.Tensor, t_orp: cute.Tensor, tOrV: cute.Tensor, mbar: cute.Pointer,
@@ -648,81 +657,128 @@ class ExtendKernel:
         cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
 
     @cute.jit
-    def _finalize(self, m_run: cute.Tensor, l_run: cute.Tensor, v_scale: Float32, sinks_ptr: cute.Pointer,
-                  has_sinks: Int32, hq: Int32, fin: cute.Tensor):
-        """An item's softmax state to what its epilogue needs, per row half rh of this thread: the sink folded
-        into the denominator, fin[rh] the factor of the row's output (0 for a row that saw no key) and
-        fin[2 + rh] its natural-log lse (-inf for such a row)."""
+    def _sink(self, sinks_ptr: cute.Pointer, has_sinks: Int32, hq: Int32):
+        """Query head hq's sink logit in log2 units (NEG_BIG without sinks)."""
         sink = Float32(NEG_BIG)
         if has_sinks != 0:
             sinks = cute.make_tensor(sinks_ptr, cute.make_layout((1 << 30,)))
             sink = Float32(sinks[hq]) * Float32(LOG2E)
+        return sink
+
+    @cute.jit
+    def _factor(self, m_run: cute.Tensor, l_run: cute.Tensor, v_scale: Float32, sink: Float32,
+                rh: cutlass.Constexpr, lse_now: cutlass.Constexpr):
+        """Row half rh of this thread at an item's end, the sink (`_sink`) folded into the denominator: (f, lse,
+        m, l, seen), f the factor of the row's output (0 for a row that saw no key), m and l the row's max and
+        denominator; lse its natural-log lse (-inf for a row that saw no key) where `lse_now`, in f's branch,
+        else left to the caller (`_lse`, after the stores). ptxas spilled the 192-row D 64 build with the open
+        item's lse computed apart from f, and the D 256 build with its lse computed before the stores."""
+        l_r = l_run[rh]
+        l_r = l_r + cute.arch.shuffle_sync_bfly(l_r, offset=1)
+        l_r = l_r + cute.arch.shuffle_sync_bfly(l_r, offset=2)
+        m_r = m_run[rh]
+        m_f = cutlass.max(m_r, sink)
+        seen = l_r > Float32(0.0)
+        l_f = Float32(1.0)
+        if seen:
+            l_f = l_r * cute.arch.exp2(m_r - m_f) + cute.arch.exp2(sink - m_f)
+        f = Float32(0.0)
+        lse = Float32(-math.inf)
+        if seen:
+            f = cute.arch.exp2(m_r - m_f) * v_scale / l_f
+            if const_expr(lse_now):
+                lse = self._lse(m_f, l_f)
+        return f, lse, m_f, l_f, seen
+
+    @staticmethod
+    def _lse(m_f: Float32, l_f: Float32):
+        """The natural-log lse of a row that saw a key, from `_factor`'s max and denominator (log2 units)."""
+        return (m_f + cute.math.log2(l_f)) * Float32(LN2)
+
+    @cute.jit
+    def _epilogue(self, acc_o: cute.Tensor, t_co: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor,
+                  v_scale: Float32, sinks_ptr: cute.Pointer, has_sinks: Int32, hq: Int32, r0: Int32, n_b: Int32,
+                  row0: Int64, out_ptr: cute.Pointer, lse_rows: cute.Tensor, lane: Int32):
+        """An item closed at its end (no open item: D 256), after its last P V: each row half's factor, then its
+        output rows (`_store_half`) and their lse, for this consumer warpgroup's 64 rows. (The open item's
+        order, both halves' factors and lse ahead of the last P V, spilled here and was slower: h200.md,
+        "Session 61".)"""
+        sink = self._sink(sinks_ptr, has_sinks, hq)
         for rh in cutlass.range_constexpr(2):
-            l_r = l_run[rh]
-            l_r = l_r + cute.arch.shuffle_sync_bfly(l_r, offset=1)
-            l_r = l_r + cute.arch.shuffle_sync_bfly(l_r, offset=2)
-            m_r = m_run[rh]
-            m_f = cutlass.max(m_r, sink)
-            seen = l_r > Float32(0.0)
-            l_f = Float32(1.0)
-            if seen:
-                l_f = l_r * cute.arch.exp2(m_r - m_f) + cute.arch.exp2(sink - m_f)
-            f = Float32(0.0)
-            lse = Float32(-math.inf)
-            if seen:
-                f = cute.arch.exp2(m_r - m_f) * v_scale / l_f
-                lse = (m_f + cute.math.log2(l_f)) * Float32(LN2)
+            f, _, m_f, l_f, seen = self._factor(m_run, l_run, v_scale, sink, rh, lse_now=False)
+            row = t_co[2 * rh][0]
+            r = r0 + row
+            mine = (r >= 0) & (r < n_b)  # a row of the request (not past it, nor below the tile's row 0)
+            idx = (row0 + Int64(r)) * self.hq + Int64(hq)
+            self._store_half(acc_o, t_co, rh, f, out_ptr.toint() + idx * self.d * 2, mine, lane)
+            if mine:
+                if t_co[2 * rh][1] == 0:
+                    lse = Float32(-math.inf)
+                    if seen:
+                        lse = self._lse(m_f, l_f)
+                    lse_rows[idx] = lse
+
+    @cute.jit
+    def _finalize(self, m_run: cute.Tensor, l_run: cute.Tensor, v_scale: Float32, sink: Float32, fin: cute.Tensor):
+        """The open item's softmax state at its end to what its stores need (`_store`), per row half rh of this
+        thread (`_factor`): fin[rh] the factor of the row's output, fin[2 + rh] its lse."""
+        for rh in cutlass.range_constexpr(2):
+            f, lse, _, _, _ = self._factor(m_run, l_run, v_scale, sink, rh, lse_now=True)
             fin[rh] = f
             fin[2 + rh] = lse
 
     @cute.jit
     def _store(self, acc_o: cute.Tensor, t_co: cute.Tensor, fin: cute.Tensor, idx0: Int64, r0: Int32, n_b: Int32,
                out_ptr: cute.Pointer, lse_rows: cute.Tensor, lane: Int32):
-        """The item's normalized output rows and their lse (`_finalize`'s fin) for this consumer warpgroup's 64
-        rows, straight from the registers: no shared memory, so the Q rows are free for the next item's Q once
-        the last S = Q K^T is done. Tile row `row` is the request's row r0 + row (stored where in [0, n_b)), at
-        (idx0 + row x Hq) x D in out and idx0 + row x Hq in lse (idx0: the tile's row 0 and query head).
+        """The open item's output rows and their lse (`_finalize`'s fin) for this consumer warpgroup's 64 rows:
+        tile row `row` is the request's row r0 + row (stored where in [0, n_b)), at (idx0 + row x Hq) x D in
+        out and idx0 + row x Hq in lse (idx0: the tile's row 0 and query head)."""
+        for rh in cutlass.range_constexpr(2):
+            row = t_co[2 * rh][0]
+            r = r0 + row
+            mine = (r >= 0) & (r < n_b)
+            idx = idx0 + Int64(row) * self.hq
+            self._store_half(acc_o, t_co, rh, fin[rh], out_ptr.toint() + idx * self.d * 2, mine, lane)
+            if mine:
+                if t_co[2 * rh][1] == 0:
+                    lse_rows[idx] = fin[2 + rh]
+
+    @cute.jit
+    def _store_half(self, acc_o: cute.Tensor, t_co: cute.Tensor, rh: cutlass.Constexpr, f: Float32, out_row: Int64,
+                    mine, lane: Int32):
+        """Row half rh of this thread's output rows, times f, to out_row (the row's byte address) where `mine`,
+        straight from the registers: no shared memory, so the Q rows are free for the next item's Q once the
+        last S = Q K^T is done.
 
         A thread holds, per row, 32-bit pairs of columns 8 j + 2 q (q = lane % 4) for every group j of 8
         columns. Lanes q and q ^ 1 trade one pair per two groups (one shuffle): the even lane then holds 4
         adjacent columns of group 2 i, the odd lane 4 of group 2 i + 1, and each stores them as one 8-byte
         write, so every warp store instruction fills 8 rows x 32 contiguous bytes (whole sectors)."""
-        D = const_expr(self.d)
         dt = self.dtype
-        NG = const_expr(D // 8)
+        NG = const_expr(self.d // 8)
         odd = lane % 2
         pair = cute.make_rmem_tensor((2,), Uint32)
-        for rh in cutlass.range_constexpr(2):
-            f = fin[rh]
-            row = t_co[2 * rh][0]
-            r = r0 + row
-            mine = (r >= 0) & (r < n_b)  # a row of the request (not past it, nor below the tile's row 0)
-            idx = idx0 + Int64(row) * self.hq
-            out_row = out_ptr.toint() + idx * D * 2
-            for i in cutlass.range_constexpr(NG // 2):
-                e0 = const_expr(8 * i + 2 * rh)  # the pair of group 2 i in this row half (element e0, e0 + 1)
-                e1 = const_expr(e0 + 4)  # the pair of group 2 i + 1
-                w0 = pack2(acc_o[e0] * f, acc_o[e0 + 1] * f, bf16=dt == cutlass.BFloat16)
-                w1 = pack2(acc_o[e1] * f, acc_o[e1 + 1] * f, bf16=dt == cutlass.BFloat16)
-                send = w1
-                if odd != 0:
-                    send = w0
-                # every lane shuffles (shfl.sync over the whole warp), only the rows of the request store
-                got = Uint32(cute.arch.shuffle_sync_bfly(send, offset=1))
-                pair[0] = w0
-                pair[1] = got
-                col = t_co[e0][1]
-                if odd != 0:
-                    pair[0] = got
-                    pair[1] = w1
-                    col = col + 6  # group 2 i + 1 from column 2 (q - 1)
-                if mine:
-                    dst = cute.make_tensor(cute.make_ptr(Uint32, out_row + col * 2, cute.AddressSpace.gmem,
-                                                         assumed_align=8), cute.make_layout((2,)))
-                    cute.autovec_copy(pair, dst)
+        for i in cutlass.range_constexpr(NG // 2):
+            e0 = const_expr(8 * i + 2 * rh)  # the pair of group 2 i in this row half (element e0, e0 + 1)
+            e1 = const_expr(e0 + 4)  # the pair of group 2 i + 1
+            w0 = pack2(acc_o[e0] * f, acc_o[e0 + 1] * f, bf16=dt == cutlass.BFloat16)
+            w1 = pack2(acc_o[e1] * f, acc_o[e1 + 1] * f, bf16=dt == cutlass.BFloat16)
+            send = w1
+            if odd != 0:
+                send = w0
+            # every lane shuffles (shfl.sync over the whole warp), only the rows of the request store
+            got = Uint32(cute.arch.shuffle_sync_bfly(send, offset=1))
+            pair[0] = w0
+            pair[1] = got
+            col = t_co[e0][1]
+            if odd != 0:
+                pair[0] = got
+                pair[1] = w1
+                col = col + 6  # group 2 i + 1 from column 2 (q - 1)
             if mine:
-                if t_co[2 * rh][1] == 0:
-                    lse_rows[idx] = fin[2 + rh]
+                dst = cute.make_tensor(cute.make_ptr(Uint32, out_row + col * 2, cute.AddressSpace.gmem,
+                                                     assumed_align=8), cute.make_layout((2,)))
+                cute.autovec_copy(pair, dst)
 
     @cute.jit
     def _pad_rows(self, out_ptr: cute.Pointer, lse_rows: cute.Tensor, hq: Int32, pad_from: Int32, ctid: Int32):
