@@ -23,4 +23,3 @@ def device_tag(name: str) -> str:
         if gpu in low:
             return gpu
     return re.sub(r"[^a-z0-9]+", "-", low).strip("-") or "device"
-

@@ -42,10 +42,10 @@ on L keys, a chunked prefill when S < L), --sizes BxL (dry run: every row that s
 --flex-rows (only these row labels get FlexAttention), --packed (extend rows also time "b12x-packed": the op on q
 packed [B x S, Hq, D] with cu_seqlens_q, as the serving engine calls extend), --packed-batch M (implies --packed:
 cu_seqlens_q, the page table and the lengths of b12x-packed padded to M requests, as the serving engine pads them
-to its max_batch; the requests past B have no new tokens and no keys), --tag (JSON/PNG name; default the device's: h200, h100, ...), --profile (no
-timing: after its reference check each implementation runs once more inside an NVTX range named after it, for
-`ncu --nvtx --nvtx-include "b12x-cute/" python -m b12x_inductor.bench ... --profile`), --warm-peers (JIT-build
-FlashInfer's modules for the selected rows and exit).
+to its max_batch; the requests past B have no new tokens and no keys), --tag (JSON/PNG name; default the device's:
+h200, h100, ...), --profile (no timing: after its reference check each implementation runs once more inside an
+NVTX range named after it, for `ncu --nvtx --nvtx-include "b12x-cute/" python -m b12x_inductor.bench ...
+--profile`), --warm-peers (JIT-build FlashInfer's modules for the selected rows and exit).
 B12X_BENCH_DEVICE=cpu runs the harness on the CPU (a dry run: the b12x op runs its torch family, wall-clock
 timing, no bandwidth figure).
 """
