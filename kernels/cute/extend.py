@@ -74,11 +74,10 @@ order, the snake order left CTAs far apart in work (benchmarks/results/h200.md, 
 What limits it (benchmarks/results/h200.md, "CuTe DSL extend", "Session 33", "Session 35", "Session 61"): 419-593
 TFLOP/s at D 128, page 16, with TMA; the short prefills keep a cost per item (fitted on an H100 over 64x256,
 32x512 and 16x1024: about 3.1 us of a CTA an item besides its key tiles at D 128 and 2.1 at D 64, against 1.4
-and 1.2 for SDPA's), and the static item order leaves some imbalance between CTAs (the
-plain order c, c + CTAs, ... computes to up to 3.1 % over the mean at 1x16384 and 4x4096, the snake order to
-0.1-0.3 %). Before TMA (405-461), Nsight Compute had each consumer warpgroup spending about half its time in the
-softmax, most of it issuing MUFU.EX2 (the SFU is shared with the other warpgroup's softmax on the same SM
-sub-partition).
+and 1.2 for SDPA's), and the static item order leaves some imbalance between CTAs (the plain order c, c + CTAs,
+... computes to up to 3.1 % over the mean at 1x16384 and 4x4096, the snake order to 0.1-0.3 %). Before TMA
+(405-461), Nsight Compute had each consumer warpgroup spending about half its time in the softmax, most of it
+issuing MUFU.EX2 (the SFU is shared with the other warpgroup's softmax on the same SM sub-partition).
 """
 
 from __future__ import annotations
@@ -841,16 +840,13 @@ class ExtendKernel:
         warpgroup.commit_group()
 
     @cute.jit
-    def _pv(self, acc_o: cute.Tensor, t_orp: cute.Tensor, tOrV: cute.Tensor, stage: Int32,
-            commit: cutlass.Constexpr = True):
-        """Issues O += P V with P from registers and the V tile in `stage` (one commit group, or none where not
-        `commit`: the caller's)."""
+    def _pv(self, acc_o: cute.Tensor, t_orp: cute.Tensor, tOrV: cute.Tensor, stage: Int32):
+        """Issues O += P V with P from registers and the V tile in `stage` (one commit group)."""
         mma_pv = self._mma_pv()
         mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         for k in cutlass.range_constexpr(self.tile_n // 16):
             cute.gemm(mma_pv, acc_o, t_orp[None, None, k], tOrV[None, None, k, stage], acc_o)
-        if const_expr(commit):
-            warpgroup.commit_group()
+        warpgroup.commit_group()
 
     @cute.jit
     def _produce(self, tidx: Int32, b: Int32, h: Int32, lo: Int32, hi: Int32, length: Int32, n_tiles: Int32,
