@@ -36,8 +36,9 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
     random order, fresh random values. `dv`: v's head dim where it differs from d (k and v are then the first
     d and dv columns of the two halves of a [..., max(d, dv)] cache); `v_view`: v is k's first dv columns, the
     same storage (absorbed MLA's latent cache: v = latent[..., :512]). Packed q has 3 padding rows past the
-    live tokens. `nan_unused`: every cache slot that holds no key of [kv_start, length) of a request is NaN
-    (unwritten or evicted memory: a kernel must never let it reach out). `key_mask` "request" ([B, 1,
+    live tokens. `kv_start`: True (request b's first visible key 1 + 2 b) or a list of each request's.
+    `nan_unused`: every cache slot that holds no key of [kv_start, length) of a request is NaN (unwritten or
+    evicted memory: a kernel must never let it reach out). `key_mask` "request" ([B, 1,
     capacity]) or "rows" ([B, S, capacity], 4-D q): random holes, one query row (request 0's first) that sees
     no key, and a strided view (every other key column of a wider mask); with nan_unused, slots no row of
     their request sees are NaN. With nan_unused and `window_left` >= 0 (the call's sliding window, causal
@@ -54,7 +55,10 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
     inner = (page_size, hkv, width) if kv_layout == "NHD" else (hkv, page_size, width)
     kv = torch.randn((num_pages, 2, *inner), generator=gen) * (2.0 if kv_dtype == F8 else 1.0)
     page_table = torch.randperm(num_pages, generator=gen)[: batch * max_pages].reshape(batch, max_pages)
-    starts = [1 + 2 * b if kv_start else 0 for b in range(batch)]
+    if isinstance(kv_start, (list, tuple)):
+        starts = list(kv_start)
+    else:
+        starts = [1 + 2 * b if kv_start else 0 for b in range(batch)]
     if packed:
         q_lens = q_lens or [min(n, 5 + 3 * b) for b, n in enumerate(lens)]
     mask = None
