@@ -36,7 +36,7 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
     random order, fresh random values. `dv`: v's head dim where it differs from d (k and v are then the first
     d and dv columns of the two halves of a [..., max(d, dv)] cache); `v_view`: v is k's first dv columns, the
     same storage (absorbed MLA's latent cache: v = latent[..., :512]). Packed q has 3 padding rows past the
-    live tokens. `kv_start`: True (request b's first visible key 1 + 2 b) or a list of each request's.
+    live tokens (NaN with nan_unused). `kv_start`: True (request b's first visible key 1 + 2 b) or a list of each request's.
     `nan_unused`: every cache slot that holds no key of [kv_start, length) of a request is NaN (unwritten or
     evicted memory: a kernel must never let it reach out). `key_mask` "request" ([B, 1,
     capacity]) or "rows" ([B, S, capacity], 4-D q): random holes, one query row (request 0's first) that sees
@@ -91,6 +91,8 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
             cu.append(cu[-1] + n)
         t["cu_seqlens_q"] = torch.tensor(cu, dtype=torch.int32, device=device)
         t["q"] = torch.randn(cu[-1] + 3, hq, d, generator=gen).to(dtype).to(device)
+        if nan_unused:
+            t["q"][cu[-1]:] = float("nan")  # no request's rows: a kernel's tiles may read them, never let them out
     else:
         t["q"] = torch.randn(batch, q_len, hq, d, generator=gen).to(dtype).to(device)
     if split_q:
