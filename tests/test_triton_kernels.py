@@ -32,19 +32,18 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
                 kv_dtype=None, packed=False, lens=None, q_lens=None, kv_start=False, sinks=False, descale=None,
                 seed=0, device="cpu", spare_pages=1, nan_unused=False, key_mask=None, dv=None, v_view=False,
                 split_q=False, window_left=-1):
-    """Tensors of one call: caches are views of a combined [num_pages, 2, ...] cache (odd strides), pages in
-    random order, fresh random values. `dv`: v's head dim where it differs from d (k and v are then the first
-    d and dv columns of the two halves of a [..., max(d, dv)] cache); `v_view`: v is k's first dv columns, the
-    same storage (absorbed MLA's latent cache: v = latent[..., :512]). Packed q has 3 padding rows past the
-    live tokens (NaN with nan_unused). `kv_start`: True (request b's first visible key 1 + 2 b) or a list of each request's.
-    `nan_unused`: every cache slot that holds no key of [kv_start, length) of a request is NaN (unwritten or
-    evicted memory: a kernel must never let it reach out). `key_mask` "request" ([B, 1,
-    capacity]) or "rows" ([B, S, capacity], 4-D q): random holes, one query row (request 0's first) that sees
-    no key, and a strided view (every other key column of a wider mask); with nan_unused, slots no row of
-    their request sees are NaN. With nan_unused and `window_left` >= 0 (the call's sliding window, causal
-    rows), so are the slots before the window of the request's first query row. `split_q` (d 576): the query
-    in two tensors, q its first 512 columns (a slice of a wider buffer) and q_pe the last 64 (a transposed
-    view), as MLA's q_nope and q_pe come."""
+    """Tensors of one call: caches are views of a combined [num_pages, 2, ...] cache (odd strides), pages in random
+    order, fresh random values. `dv`: v's head dim where it differs from d (k and v are then the first d and dv
+    columns of the two halves of a [..., max(d, dv)] cache); `v_view`: v is k's first dv columns, the same storage
+    (absorbed MLA's latent cache: v = latent[..., :512]). Packed q has 3 padding rows past the live tokens.
+    `kv_start`: True (request b's first visible key 1 + 2 b) or a list of each request's. `nan_unused`: every cache
+    slot that holds no key of [kv_start, length) of a request is NaN (unwritten or evicted memory: a kernel must
+    never let it reach out), and so are packed q's padding rows. `key_mask` "request" ([B, 1, capacity]) or "rows"
+    ([B, S, capacity], 4-D q): random holes, one query row (request 0's first) that sees no key, and a strided view
+    (every other key column of a wider mask); with nan_unused, slots no row of their request sees are NaN. With
+    nan_unused and `window_left` >= 0 (the call's sliding window, causal rows), so are the slots before the window
+    of the request's first query row. `split_q` (d 576): the query in two tensors, q its first 512 columns (a slice
+    of a wider buffer) and q_pe the last 64 (a transposed view), as MLA's q_nope and q_pe come."""
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
     dv = d if dv is None else dv
