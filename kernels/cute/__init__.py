@@ -156,8 +156,8 @@ def extend_geometry(*, d: int, tile_n: int, stages: int, block_m: int = EXTEND_B
         return None
     from .storage import extend_storage
 
-    # two Q tiles where they fit beside the ring (each consumer loads the next item's Q rows a whole item ahead),
-    # else one (loaded once the item's last S = Q K^T is done)
+    # two Q tiles where they fit beside the ring (the producer loads the next item's Q a whole item ahead), else
+    # one (loaded once every consumer's last S = Q K^T of the item is done: extend.py's _load_q)
     for q_bufs in (2, 1):
         storage = extend_storage(block_m=block_m, d=d, tile_n=tile_n, stages=stages, q_bufs=q_bufs)
         smem_bytes = storage.size_in_bytes()

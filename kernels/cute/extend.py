@@ -12,19 +12,21 @@ persistent: min(items, SMs) CTAs of a producer warpgroup and NC = BM / 64 consum
 SM), CTA c taking one item per round of CTAs items, in snake order (`_item`: round r's items run forward for
 even r and backward for odd r, so the CTA that takes a round's longest item takes the next round's shortest; a
 partial last round runs forward). The K/V ring, its barrier phases and the consumers' GEMM turns run on across
-a CTA's items, so the producer loads the next item's first tiles while the consumers finish the last one. Each
-consumer warpgroup issues its next item's Q rows a whole item ahead, into the second of two Q tiles where
-shared memory holds two (D 64), else as soon as its last S = Q K^T is done (before its last softmax); it maps the
-next item's tile to its request (for packed q, from cu_seqlens_q) and reads that request's live length (and
-kv_start) an item ahead too, so no load of the item's start waits at its first tile. At D <= 128 an item stays
+a CTA's items, so the producer loads the next item's first tiles while the consumers finish the last one. The
+producer loads each item's Q by TMA (`_load_q`), a whole item ahead into the second of two Q tiles where shared
+memory holds two (D 64), else into the one tile as soon as each consumer warpgroup's last S = Q K^T of the item
+before is done (its Q-empty mbarrier, before its last softmax). Each consumer maps the next item's tile to its
+request (for packed q, from cu_seqlens_q) and reads that request's live length (and kv_start) an item ahead, so
+no load of the item's start waits at its first tile. At D <= 128 an item stays
 open past its end (`overlap`): its last P V is issued with the next item's first S in one GEMM turn, and its rows
 are stored once the next item's first softmax is done, so no product runs alone at an item's boundary (at D 256
 the 64 x 256 accumulators leave no registers for it: an item closes at its end):
 
-- warpgroup 0, the producer (after setmaxnreg 56 registers, 32 beside three consumers), loads each BN-key
-  tile into a STAGES-deep ring of shared-memory buffers, first K, then V, and never waits on its own loads,
-  only on a stage's `empty` mbarrier before reusing it: each copy completes the stage's K-full or V-full
-  mbarrier when it lands.
+- warpgroup 0, the producer (after setmaxnreg 64 registers, 32 beside three consumers), loads each item's Q
+  (per consumer warpgroup 64 rows, one TMA box per 64 head-dim elements, completing that consumer's Q-full
+  mbarrier) and each BN-key tile into a STAGES-deep ring of shared-memory buffers, first K, then V, and never
+  waits on its own loads, only on a stage's `empty` (or a Q tile's Q-empty) mbarrier before reusing it: each
+  copy completes the stage's K-full or V-full mbarrier when it lands.
   - By TMA where the page geometry allows (`tma_box` in __init__.py: pages of a multiple of 8 keys that
     divide the tile or that the tile divides): one tensor map per cache over (slot, d, KV head, page), one
     box per page (or tile-sized part of a page) and 64 head-dim elements, written in the 128-byte swizzle
@@ -94,12 +96,12 @@ from cutlass.utils import LayoutEnum
 from b12x_inductor.kernels.cute import EXTEND_BLOCK_M, extend_geometry, tma, tma_box
 from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
                                                live_range, release_phase, scales, stage_phase)
-from b12x_inductor.kernels.cute.ptx import pack2
+from b12x_inductor.kernels.cute.ptx import mbarrier_arrive_if, pack2
 from b12x_inductor.kernels.cute.softmax import online_softmax
 
-# (producer, consumer) registers after setmaxnreg by consumer warpgroups: 128 x 56 + 256 x 224 and
+# (producer, consumer) registers after setmaxnreg by consumer warpgroups: 128 x 64 + 256 x 216 and
 # 128 x 32 + 384 x 160 fit the 65536 of an SM (three consumers, as FlashAttention-3's 192-row tile at D 64)
-REGS = {2: (56, 224), 3: (32, 160)}
+REGS = {2: (64, 216), 3: (32, 160)}
 
 
 class ExtendKernel:
@@ -146,16 +148,21 @@ class ExtendKernel:
         window_left: Int32, sm_scale: Float32, softcap: Float32, k_pages: Int32, v_pages: Int32, max_pages: Int32,
         stream,
     ):
+        # Q by TMA: q as rows (token, d, query head, request) in boxes of 64 rows x 128 bytes; packed q is one
+        # request of its capacity's rows (its request stride unused but a valid 16-byte multiple)
+        q_rows_sb = q_ss * self.s if const_expr(self.packed) else q_sb
+        tma_q, m_q = tma.cache_tma(q_ptr, Int32(1 if self.packed else self.batch), q_rows_sb, q_ss, q_sh,
+                                   page=self.s, d=self.d, hkv=self.hq, box=64)
         tma_k, m_k, tma_v, m_v = None, None, None, None
         if const_expr(self.box != 0):
             geo = dict(page=self.page, d=self.d, hkv=self.hq // self.g, box=self.box)
             tma_k, m_k = tma.cache_tma(k_ptr, k_pages, k_sp, k_so, k_sh, **geo)
             tma_v, m_v = tma.cache_tma(v_ptr, v_pages, v_sp, v_so, v_sh, **geo)
         self.kernel(
-            q_ptr, k_ptr, v_ptr, pt_ptr, seqlens_ptr, cu_ptr, kv_start_ptr, sinks_ptr, kds_ptr, vds_ptr, out_ptr,
-            lse_ptr, q_sb, q_ss, q_sh, k_sp, k_so, k_sh, v_sp, v_so, v_sh, pt_sb, kds_b, kds_h, vds_b, vds_h,
+            k_ptr, v_ptr, pt_ptr, seqlens_ptr, cu_ptr, kv_start_ptr, sinks_ptr, kds_ptr, vds_ptr, out_ptr,
+            lse_ptr, k_sp, k_so, k_sh, v_sp, v_so, v_sh, pt_sb, kds_b, kds_h, vds_b, vds_h,
             has_kv_start, has_sinks, has_kds, has_vds, window_left, sm_scale, softcap, max_pages * self.page,
-            k_pages, tma_k, m_k, tma_v, m_v,
+            k_pages, tma_k, m_k, tma_v, m_v, tma_q, m_q,
         ).launch(grid=(self.ctas, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes, stream=stream,
                  min_blocks_per_mp=1)
 
@@ -293,15 +300,16 @@ class ExtendKernel:
 
     @cute.kernel
     def kernel(
-        self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer,
+        self, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer,
         seqlens_ptr: cute.Pointer, cu_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, sinks_ptr: cute.Pointer,
         kds_ptr: cute.Pointer, vds_ptr: cute.Pointer, out_ptr: cute.Pointer, lse_ptr: cute.Pointer,
-        q_sb: Int64, q_ss: Int64, q_sh: Int64, k_sp: Int64, k_so: Int64, k_sh: Int64,
+        k_sp: Int64, k_so: Int64, k_sh: Int64,
         v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
         kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
         has_kv_start: Int32, has_sinks: Int32, has_kds: Int32, has_vds: Int32,
         window_left: Int32, sm_scale: Float32, softcap: Float32, cap: Int32, num_pages: Int32,
-        tma_k: cute.CopyAtom, m_k: cute.Tensor, tma_v: cute.CopyAtom, m_v: cute.Tensor,
+        tma_k: cute.CopyAtom, m_k: cute.Tensor, tma_v: cute.CopyAtom, m_v: cute.Tensor, tma_q: cute.CopyAtom,
+        m_q: cute.Tensor,
     ):
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)  # kernels/cute/storage.py: extend_storage
         tidx, _, _ = cute.arch.thread_idx()
@@ -313,8 +321,8 @@ class ExtendKernel:
         SLABS = const_expr(max(D // 64, 1))
         dt = self.dtype
 
-        # ---- shared memory: Q, the K and V rings (swizzled, 1024-aligned), the stage mbarriers ----
-        mbar = storage.mbar.data_ptr()  # K full, V full, empty: full_barrier, empty_barrier
+        # ---- shared memory: Q, the K and V rings (swizzled, 1024-aligned), the mbarriers ----
+        mbar = storage.mbar.data_ptr()  # K full, V full, empty (full_barrier, empty_barrier), Q's (_q_barrier)
         q_tile = cute.recast_ptr(storage.q.data_ptr(), dtype=dt)
         ring = cute.recast_ptr(storage.kv.data_ptr(), dtype=dt)  # NS K tiles, then NS V tiles
         kv_elems = const_expr(BN * D)
@@ -324,7 +332,6 @@ class ExtendKernel:
                 (stages, SLABS, rows // 8, 8, 8, 8),
                 stride=(rows * D, rows * 64, 512, 64, 8, 1)))
 
-        wQ = chunks_view(q_tile, self.block_m, self.q_bufs)
         wK = chunks_view(ring, BN, NS)
         wV = chunks_view(ring + NS * kv_elems, BN, NS)
 
@@ -342,6 +349,10 @@ class ExtendKernel:
                 cute.arch.mbarrier_init(full_barrier(mbar, NS, 0, i), 128)  # K full: every producer thread arrives
                 cute.arch.mbarrier_init(full_barrier(mbar, NS, 1, i), 128)  # V full
                 cute.arch.mbarrier_init(empty_barrier(mbar, NS, i), 128 * self.nc)  # empty: every consumer thread
+            for qs in cutlass.range_constexpr(self.q_bufs):
+                for c in cutlass.range_constexpr(self.nc):
+                    cute.arch.mbarrier_init(self._q_barrier(mbar, 0, qs, c), 1)  # Q full: the producer's expect-tx
+                    cute.arch.mbarrier_init(self._q_barrier(mbar, 1, qs, c), 128)  # Q empty: the consumer's threads
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
 
@@ -354,8 +365,9 @@ class ExtendKernel:
         # the consumers finish the last one (epilogue, next Q).
         if wg == 0:
             cute.arch.setmaxregister_decrease(REGS[self.nc][0])
-            if const_expr(self.box != 0):
-                if tidx == 0:
+            if tidx == 0:
+                cpasync.prefetch_descriptor(tma_q)
+                if const_expr(self.box != 0):
                     cpasync.prefetch_descriptor(tma_k)
                     cpasync.prefetch_descriptor(tma_v)
             done = Int32(0)
@@ -366,9 +378,12 @@ class ExtendKernel:
                 if pad_from < 0:
                     length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
                     lo, hi, full_lo, full_hi, n_tiles = self._key_range(length, start, r0, n_b, window_left)
+                    q_at = (b, r0, row0, hq, (k - cta) // self.ctas, q_tile, tma_q, m_q)
+                    if const_expr(self._q_first()):
+                        self._load_q(tidx, mbar, *q_at)
                     self._produce(tidx, b, hq // self.g, lo, hi, length, n_tiles, done, k_ptr, v_ptr, pt_ptr, k_sp,
                                   k_so, k_sh, v_sp, v_so, v_sh, pt_sb, num_pages, wK, wV, mbar, ring, tma_k, m_k,
-                                  tma_v, m_v)
+                                  tma_v, m_v, None if const_expr(self._q_first()) else q_at)
                     done = done + n_tiles
         else:
             cute.arch.setmaxregister_increase(REGS[self.nc][1])
@@ -398,12 +413,10 @@ class ExtendKernel:
             if const_expr(self.overlap):
                 r_p.fill(0.0)  # finite before the first tile (the open item's product without keys reads it)
             done = Int32(0)
-            qs = Int32(0)  # the Q tile of this warpgroup's next item (toggles after each item with two tiles)
+            qs = Int32(0)
             # the next item's tile map and its request's live length and first visible key, an item ahead
             nb, nr0, nn_b, nrow0, npad_from = self._tile_map(cu_ptr, cta // self.hq)
             n_length, n_start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, nb, cap)
-            q_pending = self._issue_q(q_ptr, cta, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss, q_sh, ctid, wgc,
-                                      wQ, qs)  # the first item's Q
             # The open item (self.overlap): the one before this, whose last P V and stores are still to come.
             # Its last P V is issued with this item's first S = Q K^T, and its rows are stored after this item's
             # first softmax, so that an item's boundary leaves no product alone on the tensor cores. acc_o holds
@@ -436,16 +449,15 @@ class ExtendKernel:
                     self._pad_rows(out_ptr, lse_rows, hq, pad_from, ctid)
                 else:
                     lo, hi, full_lo, full_hi, n_tiles = self._key_range(length, start, r0, n_b, window_left)
-                    if q_pending == 0:  # not issued ahead: the previous item was a padding one
-                        q_pending = self._issue_q(q_ptr, item, b, r0, n_b, row0, pad_from, q_sb, q_ss, q_sh, ctid,
-                                                  wgc, wQ, qs)
-                    self._wait_q(wgc)
+                    qn = (k - cta) // self.ctas  # the CTA's round: its items with Q (`_load_q`)
+                    cute.arch.mbarrier_wait(self._q_barrier(mbar, 0, qs, wgc), (qn // self.q_bufs) % 2)
+                    cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
                     if const_expr(self.q_bufs == 2):
-                        # the other Q tile was last read by the item before this one, whose products are all done
-                        # (every thread of this warpgroup passed _wait_q's barrier): the next item's Q rows go in
-                        # now, a whole item ahead
-                        q_pending = self._issue_q(q_ptr, nxt, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss, q_sh,
-                                                  ctid, wgc, wQ, 1 - qs)
+                        # the last item's Q tile (every product of it is done), for the item after this one
+                        self._release_q(mbar, 1 - qs, wgc, qn >= 1)
+                    else:
+                        if n_tiles == 0:
+                            self._release_q(mbar, qs, wgc, True)  # no S reads it
                     k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h,
                                               sm_scale, b, h)
                     if const_expr(not OV):
@@ -476,10 +488,8 @@ class ExtendKernel:
                             self._pv(acc_o, t_orp, tOrV, v_g % NS)
                         self._pass_turn(wgc)
                         warpgroup.wait_group(1 if OV else 0)
-                        if const_expr(self.q_bufs == 1 and OV):
-                            if n_tiles == 1:
-                                q_pending = self._next_q(q_ptr, nxt, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss,
-                                                         q_sh, ctid, wgc, wQ, qs)
+                        if const_expr(self.q_bufs == 1):
+                            self._release_q(mbar, qs, wgc, n_tiles == 1)  # the item's last S is done
                         online_softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo, hi, start, full_lo, full_hi,
                                        k_scale, softcap, window_left, **self._masks())
                     if const_expr(OV):
@@ -517,10 +527,8 @@ class ExtendKernel:
                         self._pv(acc_o, t_orp, tOrV, prev)
                         self._pass_turn(wgc)
                         warpgroup.wait_group(1)
-                        if const_expr(self.q_bufs == 1 and OV):
-                            if it == n_tiles - 1:  # the item's last S is done: the next item's Q goes in
-                                q_pending = self._next_q(q_ptr, nxt, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss,
-                                                         q_sh, ctid, wgc, wQ, qs)
+                        if const_expr(self.q_bufs == 1):
+                            self._release_q(mbar, qs, wgc, it == n_tiles - 1)  # the item's last S is done
                         online_softmax(acc_s, t_cs, m_run, l_run, alpha, limit, lo + it * BN, hi, start, full_lo,
                                        full_hi, k_scale, softcap, window_left, **self._masks())
                     if n_tiles > 0:
@@ -529,18 +537,7 @@ class ExtendKernel:
                         self._rescale_and_convert(acc_o, alpha, r_p, acc_s)
                         if n_tiles >= 2:
                             cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (done + n_tiles - 2) % NS))
-                    if const_expr(self.q_bufs == 1):
-                        # with overlap the next item's Q went in once this item's last S was done (its first, or
-                        # the loop's last; here where it has no key tile); without, it goes in now, before the
-                        # last P V and the epilogue
-                        if const_expr(OV):
-                            if n_tiles == 0:
-                                q_pending = self._next_q(q_ptr, nxt, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss,
-                                                         q_sh, ctid, wgc, wQ, qs)
-                        else:
-                            q_pending = self._next_q(q_ptr, nxt, nb, nr0, nn_b, nrow0, npad_from, q_sb, q_ss, q_sh,
-                                                     ctid, wgc, wQ, qs)
-                    else:
+                    if const_expr(self.q_bufs == 2):
                         qs = 1 - qs
                     if const_expr(OV):
                         self._finalize(m_run, l_run, v_scale, self._sink(sinks_ptr, has_sinks, hq), fin)
@@ -560,54 +557,6 @@ class ExtendKernel:
                                 lse_rows, tidx % 32)
             if wgc == 0:
                 self._take_turn(0)  # the last warpgroup's last pass
-
-    @cute.jit
-    def _issue_q(self, q_ptr: cute.Pointer, item: Int32, b: Int32, r0: Int32, n_b: Int32, row0: Int64,
-                 pad_from: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64, ctid: Int32, wgc: Int32, wQ: cute.Tensor,
-                 qs: Int32):
-        """Issues the cp.async copies of this consumer warpgroup's 64 Q rows of work item `item` (its tile map
-        b .. pad_from, `_tile_map`) into its rows of Q tile `qs` (zeros for rows outside the request's: past its
-        last, or below the tile's row 0) and returns 1, or returns 0 for an item past the last or a padding item
-        (which reads no Q). `_wait_q` waits for them."""
-        CH = const_expr(self.chunks)
-        dt = self.dtype
-        issued = Int32(0)
-        if item < self.items:
-            hq = item % self.hq
-            if pad_from < 0:
-                q_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dt,
-                                             num_bits_per_copy=128)
-                q_row0 = Int64(0)
-                if const_expr(self.packed):
-                    q_row0 = row0
-                q_base = q_ptr.toint() + (Int64(b) * q_sb + q_row0 * q_ss + Int64(hq) * q_sh) * 2
-                for i in cutlass.range_constexpr(64 * CH // 128):
-                    ci = (ctid % 128) + i * 128
-                    row = wgc * 64 + ci // CH
-                    ch = ci % CH
-                    dst = self._chunk(wQ[qs, None, None, None, None, None], row, ch)
-                    r = r0 + row
-                    if (r >= 0) & (r < n_b):
-                        src = cute.make_tensor(cute.make_ptr(dt, q_base + (Int64(r) * q_ss + ch * 8) * 2,
-                                                             cute.AddressSpace.gmem, assumed_align=16),
-                                               cute.make_layout((8,)))
-                        cute.copy(q_atom, src, dst)
-                    else:
-                        for e in cutlass.range_constexpr(8):
-                            dst[e] = dt(0.0)
-                cute.arch.cp_async_commit_group()
-                issued = Int32(1)
-        return issued
-
-    @cute.jit
-    def _next_q(self, q_ptr: cute.Pointer, item: Int32, b: Int32, r0: Int32, n_b: Int32, row0: Int64,
-                pad_from: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64, ctid: Int32, wgc: Int32, wQ: cute.Tensor,
-                qs: Int32):
-        """One Q tile (D >= 128): once this warpgroup's last S = Q K^T of the item is done (waited for by each
-        thread, then a barrier of the warpgroup), the next item's Q rows go into the tile (`_issue_q`), landing
-        while the item's last softmax, its last P V and the next item's wait run."""
-        cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
-        return self._issue_q(q_ptr, item, b, r0, n_b, row0, pad_from, q_sb, q_ss, q_sh, ctid, wgc, wQ, qs)
 
     @cute.jit
     def _close(self, acc_o: cute.Tensor, t_orp: cute.Tensor, tOrV: cute.Tensor, t_co: cute.Tensor,
@@ -647,13 +596,11 @@ class ExtendKernel:
         warpgroup.fence()
         self._pv(acc_o, t_orp, tOrV, g_last % NS)
 
-    @staticmethod
-    def _wait_q(wgc):
-        """This warpgroup's Q rows have landed (its cp.async copies, then a barrier of the warpgroup) and are
-        visible to its wgmma (fence.proxy.async)."""
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
+    def _release_q(self, mbar: cute.Pointer, qs: Int32, wgc: Int32, last):
+        """Where `last`: this consumer warpgroup's last S = Q K^T of its item is done (each thread arrives after
+        its own wait), so Q tile qs's rows of the warpgroup are free for the producer's next load into them
+        (`_load_q`). A predicated arrive, no branch (`ptx.mbarrier_arrive_if`)."""
+        mbarrier_arrive_if(self._q_barrier(mbar, 1, qs, wgc), Int32(last))
 
     @cute.jit
     def _sink(self, sinks_ptr: cute.Pointer, has_sinks: Int32, hq: Int32):
@@ -852,7 +799,7 @@ class ExtendKernel:
     def _produce(self, tidx: Int32, b: Int32, h: Int32, lo: Int32, hi: Int32, length: Int32, n_tiles: Int32,
                  done: Int32, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer, k_sp: Int64, k_so: Int64,
                  k_sh: Int64, v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64, num_pages: Int32, wK: cute.Tensor,
-                 wV: cute.Tensor, mbar: cute.Pointer, ring: cute.Pointer, tma_k, m_k, tma_v, m_v):
+                 wV: cute.Tensor, mbar: cute.Pointer, ring: cute.Pointer, tma_k, m_k, tma_v, m_v, q_at):
         """The producer warpgroup: each tile's K rows, then its V rows, into the ring; the stage's K-full and
         V-full mbarriers (128 arrivals each) complete when the copies land, so the producer never waits for
         its own loads, only for a stage to be released. Tile `it` of this item is ring tile done + it (`done`:
@@ -860,10 +807,14 @@ class ExtendKernel:
 
         A tile of keys the request has (all below its length, so finite even past the causal or window
         limit) starting on a box boundary goes by TMA where the page geometry allows (`tma_box`, `_tma_tile`);
-        any other tile by cp.async (`_cp_async_tile`)."""
+        any other tile by cp.async (`_cp_async_tile`). Where `q_at` is given (`_load_q`'s arguments), the
+        item's Q goes right after its first tile (or alone, for an item without key tiles)."""
         BN = const_expr(self.tile_n)
         NS = const_expr(self.stages)
         BOX = const_expr(self.box)
+        if const_expr(q_at is not None):
+            if n_tiles == 0:
+                self._load_q(tidx, mbar, *q_at)
         for it in cutlass.range(n_tiles, unroll=1):
             g = done + it
             stage = g % NS
@@ -880,6 +831,53 @@ class ExtendKernel:
             else:
                 self._cp_async_tile(tidx, b, h, j0, hi, stage, k_ptr, v_ptr, pt_ptr, k_sp, k_so, k_sh, v_sp, v_so,
                                     v_sh, pt_sb, num_pages, wK, wV, mbar)
+            if const_expr(q_at is not None):
+                if it == 0:
+                    self._load_q(tidx, mbar, *q_at)
+
+    @cute.jit
+    def _load_q(self, tidx: Int32, mbar: cute.Pointer, b: Int32, r0: Int32, row0: Int64, hq: Int32, qn: Int32,
+                q_tile: cute.Pointer, tma_q, m_q):
+        """The producer's load of a work item's Q by TMA into Q tile qn % q_bufs, qn the CTA's round (every item
+        of a CTA before its first padding item has a Q, and none after it). By warp 0, per consumer
+        warpgroup c: once c's Q-empty mbarrier says the tile's last reader (the item q_bufs before) is done with
+        its rows, the c-th 64 rows of the item's row tile (from row r0 + 64 c of the request), one box per 64
+        head-dim elements, completing c's Q-full mbarrier with their bytes (expect-tx). Rows outside q (below
+        row 0 of a 4D request) land as zeros; the rows of a packed tile below its request's first row are
+        other rows of q, which only rows that are never stored see (a row's scores, softmax and output are its
+        own)."""
+        QB = const_expr(self.q_bufs)
+        D = const_expr(self.d)
+        qs = qn % QB
+        row = r0
+        bq = b
+        if const_expr(self.packed):
+            row = Int32(row0) + r0
+            bq = Int32(0)
+        if tidx < 32:  # warp 0: a TMA copy is issued by one elected lane of a whole warp
+            for c in cutlass.range(self.nc, unroll=1):
+                if qn >= QB:
+                    cute.arch.mbarrier_wait(self._q_barrier(mbar, 1, qs, c), (qn // QB + 1) % 2)
+                bar = self._q_barrier(mbar, 0, qs, c)
+                if tidx == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, 64 * D * 2)
+                for sl in cutlass.range_constexpr(max(D // 64, 1)):
+                    # Q tile qs, slab sl, rows 64 c ... (elements; see chunks_view)
+                    dst = q_tile + (qs * self.block_m * D + sl * self.block_m * 64 + c * 64 * 64)
+                    tma.copy_rows(tma_q, m_q, dst, 64, row + 64 * c, sl, hq, bq, bar)
+
+    def _q_first(self) -> bool:
+        """Whether the producer loads an item's Q before its first key tile rather than right after it: with two
+        Q tiles (the one it loads into was freed an item ago, so its wait is over at once). With one, the wait
+        for the tile's Q-empty would hold the item's first K/V loads behind the last item's final S; after the
+        first tile it does not (the two orders timed within the runs' spread at 4D, the later ahead with packed q:
+        benchmarks/results/h200.md, session 63)."""
+        return self.q_bufs == 2
+
+    def _q_barrier(self, mbar: cute.Pointer, empty: int, qs, c: int):
+        """Q tile qs's Q-full (empty 0: the producer's TMA landed) or Q-empty (empty 1: consumer warpgroup c's
+        last S = Q K^T of the tile's item is done) mbarrier for consumer warpgroup c (storage.extend_storage)."""
+        return mbar + 3 * self.stages + (empty * self.q_bufs + qs) * self.nc + c
 
     @cute.jit
     def _tma_tile(self, tidx: Int32, b: Int32, h: Int32, j0: Int32, stage: Int32, pt_ptr: cute.Pointer,

@@ -96,3 +96,14 @@ def ld_dsmem_v4(addr, rank, *, loc=None, ip=None):
         "=r,=r,=r,=r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc,
         ip=ip)
     return [Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def mbarrier_arrive_if(bar, pred, *, loc=None, ip=None):
+    """mbarrier.arrive on the shared-memory mbarrier at `bar` (a pointer) where `pred` is nonzero, as one predicated
+    instruction rather than a branch: ptxas serialized the wgmma of a kernel (C7520) for a warpgroup.arrive it put
+    on a branch it could not prove uniform."""
+    llvm.inline_asm(
+        None, [Uint32(bar.toint()).ir_value(loc=loc, ip=ip), Uint32(pred).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred p;\nsetp.ne.u32 p, $1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [$0];\n}", "r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)

@@ -80,16 +80,17 @@ def mma_storage(*, d: int, kv_bits: int, tile_n: int, stages: int, warps: int, t
 @functools.cache
 def extend_storage(*, block_m: int, d: int, tile_n: int, stages: int, q_bufs: int = 1):
     """extend.py's shared memory: `q_bufs` Q tiles (block_m x d each), the ring of `stages` K tiles then `stages`
-    V tiles (tile_n x d), all 16-bit (viewed in q's dtype by the kernel), and 3 x stages mbarriers (K full,
-    V full, empty: common.full_barrier, empty_barrier). Every tile starts on 1024 bytes (tile_n * d * 2 is a
-    multiple of 1024: tile_n % 16 == 0, d % 64 == 0)."""
+    V tiles (tile_n x d), all 16-bit (viewed in q's dtype by the kernel), 3 x stages mbarriers (K full, V full,
+    empty: common.full_barrier, empty_barrier), then a Q-full and a Q-empty mbarrier per Q tile and consumer
+    warpgroup (block_m / 64 of them: extend.py's `_q_barrier`). Every tile starts on 1024 bytes (tile_n * d * 2
+    is a multiple of 1024: tile_n % 16 == 0, d % 64 == 0)."""
     assert tile_n * d * 2 % 1024 == 0, (tile_n, d)
 
     @cute.struct
     class SharedStorage:
         q: Align[MemRange[Uint16, q_bufs * block_m * d], 1024]
         kv: Align[MemRange[Uint16, 2 * stages * tile_n * d], 1024]
-        mbar: MemRange[Int64, 3 * stages]
+        mbar: MemRange[Int64, 3 * stages + 2 * q_bufs * (block_m // 64)]
 
     return SharedStorage
 

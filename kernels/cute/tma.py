@@ -60,3 +60,17 @@ def copy_box(atom, coords: cute.Tensor, dst: cute.Pointer, box: int, j0: Int32, 
     t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_box, 0, 2),
                                      cute.group_modes(g_box, 0, 2))
     cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+
+
+def copy_rows(atom, coords: cute.Tensor, dst: cute.Pointer, box: int, row, slab, h, batch, bar: cute.Pointer):
+    """Issues one box copy (one elected lane of the calling warp; every argument warp-uniform) of `box` rows from
+    row `row` of (row, d, head, batch) coordinates (`cache_tma` over rows: any int32 row, those outside the
+    tensor landing as zeros), head-dim slab `slab` (128 bytes), head h, to `dst` (1024-byte aligned),
+    completing on `bar`."""
+    layout = box_layout(dst.dtype, box)
+    s_box = cute.make_tensor(cute.recast_ptr(dst, layout.inner, dtype=dst.dtype), layout.outer)
+    rows = cute.domain_offset((row, 0, 0, 0), coords)
+    g_box = cute.local_tile(rows, (box, row_elems(dst.dtype), 1, 1), (0, slab, h, batch))[None, None, 0, 0]
+    t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_box, 0, 2),
+                                     cute.group_modes(g_box, 0, 2))
+    cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
