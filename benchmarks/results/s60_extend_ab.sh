@@ -4,6 +4,8 @@
 # OLD_EXTEND_PY the other version, the working tree's being the new one. Session 61 ran it (without D 256) on
 # `git show dacebb5:kernels/cute/extend.py`; for s61_q_issue.patch: `cp kernels/cute/extend.py old_extend.py &&
 # patch -p1 < benchmarks/results/s61_q_issue.patch`, then this script on old_extend.py.
+# Superseded in session 63 by benchmarks/extend_ab.py (all versions in one process); s61_q_issue.patch is in commit
+# 0910c01.
 set -e
 cp "$1" /tmp/extend_old.py
 cp kernels/cute/extend.py /tmp/extend_new.py
