@@ -119,6 +119,33 @@ def test_dry_run_packed_extend(cpu_bench, tmp_path):
     assert "b12x-packed" not in rows["verify 2x128 D64"]["impls"]
 
 
+def test_dry_run_packed_families_and_variants(cpu_bench, tmp_path, monkeypatch):
+    """--packed with --families and --variants: each family's and variant's plan also runs on the packed q
+    (b12x-packed-<family>, b12x-packed-<variant>), with cu_seqlens_q and the variant's tiles asked of
+    family_plan, each checked against the reference; decode rows get no packed cells. (The torch family has no
+    tiles: the spy records the variant's and plans without them.)"""
+    from b12x_inductor import plan as plan_mod
+
+    asked = []
+    real_family_plan = plan_mod.family_plan
+
+    def spy(problem, family, **tiles):
+        asked.append((problem.packed, family, tiles))
+        return real_family_plan(problem, family)
+
+    monkeypatch.setattr(plan_mod, "family_plan", spy)
+    argv = ["--rows", "extend,decode", "--sizes", "2x128", "--head-dim", "64", "--peers", "", "--packed",
+            "--families", "torch", "--variants", "torch:0:32:0:0", "--out", str(tmp_path), "--tag", "pv"]
+    cpu_bench.main(argv)
+    rows = {r["row"]: r for r in json.loads((tmp_path / "kernels_pv.json").read_text())["rows"]}
+    impls = rows["extend 2x128 D64"]["impls"]
+    for name in ("b12x-torch", "b12x-packed-torch", "b12x-torch-v0:32:0:0", "b12x-packed-torch-v0:32:0:0"):
+        assert impls[name]["us"] > 0 and impls[name]["max_err"] < 0.05, (name, impls[name])
+    assert (True, "torch", {"block_n": 32}) in asked and (False, "torch", {"block_n": 32}) in asked
+    assert (True, "torch", {}) in asked
+    assert not any(n.startswith("b12x-packed") for n in rows["decode 2x128 D64"]["impls"])
+
+
 def test_dry_run_packed_batch_pads_to_max_batch(cpu_bench, tmp_path, monkeypatch):
     """--packed-batch M: b12x-packed runs with cu_seqlens_q [M + 1], the page table [M, pages] and the lengths
     [M] (the requests past B empty, as the serving engine pads to its max_batch), and still matches the

@@ -396,26 +396,33 @@ def copy_bandwidth():
 def b12x_call(s, shape, mode, variant=None, family=None):
     if variant is None and family is None:
         return _op_call(s, shape, s["q"], s["out"]), lambda: s["out"]
-    # one kernel family's plan (family_plan), with (num_splits, block_n, num_stages, num_warps, block_m)
-    # replaced where the variant gives a nonzero value
+    out = torch.empty_like(s["q"])
+    return _plan_call(s, shape, s["q"], out, variant=variant, family=family), lambda: out
+
+
+def _plan_call(s, shape, q, out, cu_seqlens_q=None, page_table=None, seqlens=None, variant=None, family=None):
+    """A zero-argument call of one kernel family's plan (family_plan; default the family select_plan picks) on
+    input set s's cache, with this q (and cu_seqlens_q) into out, its (num_splits, block_n, num_stages,
+    num_warps, block_m) replaced where the variant gives a nonzero value: kernels.run, past the op's checks."""
     from b12x_inductor import kernels, validate
     from b12x_inductor.plan import family_plan, select_plan
 
+    page_table = s["page_table"] if page_table is None else page_table
+    seqlens = s["cache_seqlens"] if seqlens is None else seqlens
     problem = validate.check_paged_attention(
-        s["q"], s["k_cache"], s["v_cache"], s["page_table"], s["cache_seqlens"], None, kv_layout="NHD",
-        causal=True, scale=None, window_left=shape.window_left, kv_start=None, sinks=s["sinks"], softcap=0.0,
+        q, s["k_cache"], s["v_cache"], page_table, seqlens, cu_seqlens_q, kv_layout="NHD", causal=True,
+        scale=None, window_left=shape.window_left, kv_start=None, sinks=s["sinks"], softcap=0.0,
         k_descale=s["k_descale"], v_descale=s["v_descale"], out=None)
     family = family or select_plan(problem).family
     if family == "cute":
         _cute_check(problem)
     fields = dict(zip(("num_splits", "block_n", "num_stages", "num_warps", "block_m"), variant or ()))
     plan = family_plan(problem, family, **{k: v for k, v in fields.items() if v})
-    out = torch.empty_like(s["q"])
     the_call = kernels.Call(
-        q=s["q"], k_cache=s["k_cache"], v_cache=s["v_cache"], page_table=s["page_table"],
-        cache_seqlens=s["cache_seqlens"], cu_seqlens_q=None, kv_start=None, sinks=s["sinks"],
-        k_descale=s["k_descale"], v_descale=s["v_descale"], key_mask=None, q_pe=None, out=out,
-        lse=torch.empty(s["q"].shape[:-1], dtype=torch.float32, device=DEVICE),
+        q=q, k_cache=s["k_cache"], v_cache=s["v_cache"], page_table=page_table, cache_seqlens=seqlens,
+        cu_seqlens_q=cu_seqlens_q, kv_start=None, sinks=s["sinks"], k_descale=s["k_descale"],
+        v_descale=s["v_descale"], key_mask=None, q_pe=None, out=out,
+        lse=torch.empty(q.shape[:-1], dtype=torch.float32, device=DEVICE),
         scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=DEVICE),
         options=kernels.Options(kv_layout="NHD", causal=True, scale=shape.d**-0.5, window_left=shape.window_left,
                                 softcap=0.0),
@@ -423,14 +430,15 @@ def b12x_call(s, shape, mode, variant=None, family=None):
 
     def call():
         kernels.run(the_call)
-    return call, lambda: out
+    return call
 
 
-def b12x_packed_call(s, shape, mode, pad_to=0):
+def b12x_packed_call(s, shape, mode, pad_to=0, variant=None, family=None):
     """The public op on the row's requests packed: q as [B x S, Hq, D] (a view of the same rows) with
     cu_seqlens_q (every request S new tokens), as the serving engine calls extend; out viewed back as
     [B, S, Hq, D]. pad_to > B: cu_seqlens_q [pad_to + 1], the page table [pad_to, pages] and the lengths
-    [pad_to], the requests past B with no new tokens and no keys (the serving engine's max_batch)."""
+    [pad_to], the requests past B with no new tokens and no keys (the serving engine's max_batch). With a
+    variant or a family: that plan on the same packed q (_plan_call) instead of the op."""
     if mode != "extend":
         raise Unable("packed q is timed on extend rows only")
     batch, q_len = s["q"].shape[:2]
@@ -443,7 +451,11 @@ def b12x_packed_call(s, shape, mode, pad_to=0):
         page_table = torch.cat([page_table, page_table.new_zeros(more, page_table.shape[1])])
         seqlens = torch.cat([seqlens, seqlens.new_zeros(more)])
     out = torch.empty_like(q)
-    call = _op_call(s, shape, q, out, cu, page_table=page_table, seqlens=seqlens)
+    if variant is None and family is None:
+        call = _op_call(s, shape, q, out, cu, page_table=page_table, seqlens=seqlens)
+    else:
+        call = _plan_call(s, shape, q, out, cu, page_table=page_table, seqlens=seqlens, variant=variant,
+                          family=family)
     return call, lambda: out.view(batch, q_len, shape.hq, shape.d)
 
 
@@ -653,13 +665,20 @@ def run_row(row, peers, variants, bw, families=(), packed=False, packed_batch=0)
     impls = [("b12x", lambda s, sh, m: b12x_call(s, sh, m))] + peers_for(shape, mode, kv_dtype, peers)
     if packed and mode == "extend":
         impls.append(("b12x-packed", lambda s, sh, m: b12x_packed_call(s, sh, m, pad_to=packed_batch)))
+    packed_too = packed and mode == "extend"  # families and variants: b12x-packed-... rows beside theirs
     for fam in families:
         impls.append((f"b12x-{fam}", lambda s, sh, m, fam=fam: b12x_call(s, sh, m, family=fam)))
+        if packed_too:
+            impls.append((f"b12x-packed-{fam}", lambda s, sh, m, fam=fam: b12x_packed_call(
+                s, sh, m, pad_to=packed_batch, family=fam)))
     for fam, v in variants:
         if mode == "extend" and v[0]:
             continue
-        name = f"b12x-{fam + '-' if fam else ''}v" + ":".join(map(str, v))
-        impls.append((name, lambda s, sh, m, v=v, fam=fam: b12x_call(s, sh, m, v, family=fam)))
+        name = f"{fam + '-' if fam else ''}v" + ":".join(map(str, v))
+        impls.append((f"b12x-{name}", lambda s, sh, m, v=v, fam=fam: b12x_call(s, sh, m, v, family=fam)))
+        if packed_too:
+            impls.append((f"b12x-packed-{name}", lambda s, sh, m, v=v, fam=fam: b12x_packed_call(
+                s, sh, m, pad_to=packed_batch, variant=v, family=fam)))
     refs = reference_slices(sets[0], shape, mode)
     result = dict(row=label, model=row.model, mode=mode, batch=batch, kv_len=length, q_len=q_len,
                   kv_dtype=str(kv_dtype).replace("torch.", ""), shape=shape.as_json(), sets=n_sets, impls={})
@@ -770,7 +789,8 @@ def main(argv) -> None:
     ap.add_argument("--profile", action="store_true", help="no timing: each implementation runs once more "
                     "inside an NVTX range named after it (for ncu --nvtx --nvtx-include 'b12x-cute/')")
     ap.add_argument("--packed", action="store_true", help="extend rows also time b12x-packed: the op with q "
-                    "packed [B x S, Hq, D] and cu_seqlens_q, as the serving engine calls it")
+                    "packed [B x S, Hq, D] and cu_seqlens_q, as the serving engine calls it (and b12x-packed-<family> "
+                    "and b12x-packed-<variant> beside --families' and --variants' rows)")
     ap.add_argument("--packed-batch", type=int, default=0, help="implies --packed: b12x-packed's cu_seqlens_q, "
                     "page table and lengths padded to this many requests (the serving engine's max_batch)")
     ap.add_argument("--sizes", default="", help="dry run: B x L overrides, e.g. 2x64 (all rows that size)")
