@@ -1,4 +1,5 @@
-"""Paged K/V tiles by TMA (Hopper's bulk tensor copy), shared by the extend and decode kernels.
+"""Paged K/V tiles (and the extend kernel's Q rows: `copy_rows`) by TMA (Hopper's bulk tensor copy), shared by
+the extend and decode kernels.
 
 A cache [pages, PAGE, Hkv, D] (NHD) or [pages, Hkv, PAGE, D] (HND) is described to the TMA unit as a 4D tensor
 (slot, d, KV head, page) with the cache's own strides (multiples of 16 bytes: `_check_aligned` in __init__.py).
@@ -53,13 +54,7 @@ def copy_box(atom, coords: cute.Tensor, dst: cute.Pointer, box: int, j0: Int32, 
     """Issues one box copy (one elected lane of the calling warp; every argument warp-uniform): slots of page
     `page_id` from (j0 % page) on, head-dim slab `slab` (128 bytes), KV head h, to `dst` (1024-byte aligned),
     completing on `bar`."""
-    layout = box_layout(dst.dtype, box)
-    s_box = cute.make_tensor(cute.recast_ptr(dst, layout.inner, dtype=dst.dtype), layout.outer)
-    row_block = Int32(Uint32(j0) % page) // box
-    g_box = cute.local_tile(coords, (box, row_elems(dst.dtype), 1, 1), (row_block, slab, h, page_id))[None, None, 0, 0]
-    t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_box, 0, 2),
-                                     cute.group_modes(g_box, 0, 2))
-    cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
+    _copy(atom, coords, dst, box, (Int32(Uint32(j0) % page) // box, slab, h, page_id), bar)
 
 
 def copy_rows(atom, coords: cute.Tensor, dst: cute.Pointer, box: int, row, slab, h, batch, bar: cute.Pointer):
@@ -67,10 +62,15 @@ def copy_rows(atom, coords: cute.Tensor, dst: cute.Pointer, box: int, row, slab,
     row `row` of (row, d, head, batch) coordinates (`cache_tma` over rows: any int32 row, those outside the
     tensor landing as zeros), head-dim slab `slab` (128 bytes), head h, to `dst` (1024-byte aligned),
     completing on `bar`."""
+    _copy(atom, cute.domain_offset((row, 0, 0, 0), coords), dst, box, (0, slab, h, batch), bar)
+
+
+def _copy(atom, coords: cute.Tensor, dst: cute.Pointer, box: int, tile, bar: cute.Pointer):
+    """The box at tile coordinates `tile` (box index, slab, head, page or batch) of `coords` into the swizzled
+    box at `dst`, completing on `bar`."""
     layout = box_layout(dst.dtype, box)
     s_box = cute.make_tensor(cute.recast_ptr(dst, layout.inner, dtype=dst.dtype), layout.outer)
-    rows = cute.domain_offset((row, 0, 0, 0), coords)
-    g_box = cute.local_tile(rows, (box, row_elems(dst.dtype), 1, 1), (0, slab, h, batch))[None, None, 0, 0]
+    g_box = cute.local_tile(coords, (box, row_elems(dst.dtype), 1, 1), tile)[None, None, 0, 0]
     t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_box, 0, 2),
                                      cute.group_modes(g_box, 0, 2))
     cute.copy(atom, t_g, t_s, tma_bar_ptr=bar)
