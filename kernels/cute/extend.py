@@ -177,6 +177,12 @@ class ExtendKernel:
         flip = (r % 2 == 1) & (r != self.items // self.ctas)
         return k + Int32(flip) * (self.ctas - 1 - 2 * cta)
 
+    def _round(self, k: Int32, cta: Int32):
+        """The round of CTA cta's k-th grid slot (k = cta + round x CTAs): the count of its items before it, and
+        so of its Q loads before it, producer and consumers alike (padding items, which load no Q, are a suffix
+        of a CTA's items)."""
+        return (k - cta) // self.ctas
+
     @cute.jit
     def _tile_map(self, cu_ptr: cute.Pointer, t: Int32):
         """(b, r0, n_b, row0, pad_from): tile t's request, the tile's first row in the request (below 0 where the
@@ -378,7 +384,7 @@ class ExtendKernel:
                 if pad_from < 0:
                     length, start = live_range(seqlens_ptr, kv_start_ptr, has_kv_start, b, cap)
                     lo, hi, full_lo, full_hi, n_tiles = self._key_range(length, start, r0, n_b, window_left)
-                    q_at = (b, r0, row0, hq, (k - cta) // self.ctas, q_tile, tma_q, m_q)
+                    q_at = (b, r0, row0, hq, self._round(k, cta), q_tile, tma_q, m_q)
                     if const_expr(self._q_first()):
                         self._load_q(tidx, mbar, *q_at)
                     self._produce(tidx, b, hq // self.g, lo, hi, length, n_tiles, done, k_ptr, v_ptr, pt_ptr, k_sp,
@@ -449,7 +455,7 @@ class ExtendKernel:
                     self._pad_rows(out_ptr, lse_rows, hq, pad_from, ctid)
                 else:
                     lo, hi, full_lo, full_hi, n_tiles = self._key_range(length, start, r0, n_b, window_left)
-                    qn = (k - cta) // self.ctas  # the CTA's round: its items with Q (`_load_q`)
+                    qn = self._round(k, cta)  # its items with Q before this one (`_load_q`)
                     cute.arch.mbarrier_wait(self._q_barrier(mbar, 0, qs, wgc), (qn // self.q_bufs) % 2)
                     cute.arch.barrier(barrier_id=1 + wgc, number_of_threads=128)
                     if const_expr(self.q_bufs == 2):
