@@ -17,7 +17,6 @@ the versions share one module and class name, which the DSL's file cache would n
 
 import argparse
 import importlib.util
-import math
 import os
 import statistics
 import sys
@@ -75,9 +74,7 @@ def main(argv):
         shape = bk.Shape(d=d)
         for size in args.rows.split(","):
             b, n = (int(x) for x in size.split("x"))
-            touched = b * n * shape.hkv * d * 2 * 2
-            n_sets = min(bk.MAX_SETS, max(2, math.ceil(2 * bk.L2_BYTES / touched)))
-            sets = [bk.make_set(shape, "extend", b, n, n, torch.bfloat16, seed=17 * i + b) for i in range(n_sets)]
+            sets = bk.make_sets(shape, "extend", b, n, n, torch.bfloat16)
             refs = bk.reference_slices(sets[0], shape, "extend")
             impls = [("4d", bk.b12x_call)] + ([] if args.no_packed else [("packed", bk.b12x_packed_call)])
             times = {}

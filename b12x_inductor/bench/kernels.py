@@ -236,6 +236,14 @@ def make_set(shape, mode, batch, length, q_len, kv_dtype, seed):
     return s
 
 
+def make_sets(shape, mode, batch, length, q_len, kv_dtype):
+    """A row's rotating input sets (make_set): enough that the K/V they touch is twice L2 (2 to MAX_SETS; 2 in a
+    CPU dry run)."""
+    touched = batch * keys_seen(shape, length, q_len) * shape.hkv * shape.d * 2 * kv_dtype.itemsize
+    n_sets = 2 if DEVICE == "cpu" else min(MAX_SETS, max(2, math.ceil(2 * L2_BYTES / touched)))
+    return [make_set(shape, mode, batch, length, q_len, kv_dtype, seed=17 * i + batch) for i in range(n_sets)]
+
+
 def contiguous_kv(s, shape, name):
     """[B, Hkv, L, D] exact-length copy of a paged cache (what SDPA/Flex read)."""
     c = s[name][s["page_table"].long()]  # [B, P, page, Hkv, D]
@@ -659,13 +667,11 @@ def row_metrics(shape, mode, batch, length, q_len, kv_dtype, us):
 def run_row(row, peers, variants, bw, families=(), packed=False, packed_batch=0):
     label, shape, mode = row.label, row.shape, row.mode
     batch, length, q_len, kv_dtype = row.batch, row.length, row.q_len, row.kv_dtype
-    touched = batch * keys_seen(shape, length, q_len) * shape.hkv * shape.d * 2 * kv_dtype.itemsize
-    n_sets = 2 if DEVICE == "cpu" else min(MAX_SETS, max(2, math.ceil(2 * L2_BYTES / touched)))
-    sets = [make_set(shape, mode, batch, length, q_len, kv_dtype, seed=17 * i + batch) for i in range(n_sets)]
+    sets = make_sets(shape, mode, batch, length, q_len, kv_dtype)
     impls = [("b12x", lambda s, sh, m: b12x_call(s, sh, m))] + peers_for(shape, mode, kv_dtype, peers)
-    if packed and mode == "extend":
+    packed_too = packed and mode == "extend"  # the op, families and variants: b12x-packed-... cells beside theirs
+    if packed_too:
         impls.append(("b12x-packed", lambda s, sh, m: b12x_packed_call(s, sh, m, pad_to=packed_batch)))
-    packed_too = packed and mode == "extend"  # families and variants: b12x-packed-... rows beside theirs
     for fam in families:
         impls.append((f"b12x-{fam}", lambda s, sh, m, fam=fam: b12x_call(s, sh, m, family=fam)))
         if packed_too:
@@ -681,7 +687,7 @@ def run_row(row, peers, variants, bw, families=(), packed=False, packed_batch=0)
                 s, sh, m, pad_to=packed_batch, variant=v, family=fam)))
     refs = reference_slices(sets[0], shape, mode)
     result = dict(row=label, model=row.model, mode=mode, batch=batch, kv_len=length, q_len=q_len,
-                  kv_dtype=str(kv_dtype).replace("torch.", ""), shape=shape.as_json(), sets=n_sets, impls={})
+                  kv_dtype=str(kv_dtype).replace("torch.", ""), shape=shape.as_json(), sets=len(sets), impls={})
     for name, make in impls:
         entry = {}
         try:
