@@ -127,6 +127,19 @@ def visible(j: Int32, hi: Int32, start: Int32, limit: Int32, window_left: Int32,
     return ok
 
 
+@cute.jit
+def visible_range(hi: Int32, start: Int32, limit: Int32, window_left: Int32, causal: cutlass.Constexpr,
+                  use_window: cutlass.Constexpr):
+    """The keys [k_lo, k_hi) visible to a row whose causal limit is `limit` (`visible` as a range): from
+    kv_start (and, with a window, limit - window_left) up to hi (and, causal, limit + 1)."""
+    k_lo = start
+    k_hi = hi
+    if const_expr(causal):
+        k_hi = cutlass.min(hi, limit + 1)
+    if const_expr(use_window):
+        k_lo = cutlass.max(start, limit - window_left)
+    return k_lo, k_hi
+
 
 # The 3 x NS mbarriers of an NS-stage ring of K and V tiles, from `mbar`: per stage a K-full and a V-full
 # barrier, completed as the producer's copies land, and an empty one, which every consumer thread arrives on

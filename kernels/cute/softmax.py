@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from b12x_inductor.kernels.cute.common import NEG_BIG, logit, visible
+from b12x_inductor.kernels.cute.common import NEG_BIG, logit, visible_range
 
 
 @cute.jit
@@ -26,7 +26,8 @@ def online_softmax(acc_s: cute.Tensor, t_cs: cute.Tensor, m_run: cute.Tensor, l_
     """One score tile (keys j0 ... j0 + tile_n; t_cs: the fragment's (row, key) coordinates) in place: the masks
     where the tile reaches past the fully visible range [full_lo, full_hi), then P = exp2(logit - m); updates
     the rows' running max and (this thread's part of the) sum and sets alpha, the factor that rescales O to
-    the new max.
+    the new max. full_lo is at or above every stored row's first visible key (kv_start, and with a window
+    limit - window_left): a tile from full_lo tests only the rows' upper bounds.
 
     Without softcap the scale is folded into the exponent (one FMA, exp2(s * k_scale - m)) and the max is
     taken on raw scores: k_scale > 0 (the scale is validated positive; the kernels that call this take caches
@@ -45,10 +46,15 @@ def online_softmax(acc_s: cute.Tensor, t_cs: cute.Tensor, m_run: cute.Tensor, l_
         for i in cutlass.range_constexpr(N):
             acc_s[i] = logit(acc_s[i], k_scale, softcap, True)
         c = Float32(1.0)
-    if (j0 < full_lo) | (j0 + BN > full_hi):
-        for i in cutlass.range_constexpr(N):
-            ok = visible(j0 + t_cs[i][1], hi, start, limit[(i // 2) % 2], window_left, causal, use_window)
-            acc_s[i] = acc_s[i] if ok else Float32(-math.inf)
+    # the masks, where the tile reaches past [full_lo, full_hi): each row's visible keys [k_lo, k_hi) as offsets
+    # from this thread's first key, so that an element's test compares its compile-time column offset with a
+    # register (one compare and one select a bound); the lower bound only on a tile below full_lo (at kv_start
+    # or a window's edge). Both branches are uniform over the tile (a branch that diverges within a warp
+    # serializes the kernel's wgmma: ptxas C7520)
+    if j0 < full_lo:
+        _mask(acc_s, t_cs, limit, j0, hi, start, window_left, causal, use_window, True)
+    elif j0 + BN > full_hi:
+        _mask(acc_s, t_cs, limit, j0, hi, start, window_left, causal, use_window, False)
     for rh in cutlass.range_constexpr(2):
         idx = [i for i in range(N) if (i // 2) % 2 == rh]  # this row's elements (compile-time list)
         part = [acc_s[idx[k]] for k in range(4)]
@@ -68,3 +74,23 @@ def online_softmax(acc_s: cute.Tensor, t_cs: cute.Tensor, m_run: cute.Tensor, l_
             acc_s[idx[k]] = p
             sums[k % 4] = sums[k % 4] + p
         l_run[rh] = l_run[rh] * alpha[rh] + ((sums[0] + sums[1]) + (sums[2] + sums[3]))
+
+
+@cute.jit
+def _mask(acc_s: cute.Tensor, t_cs: cute.Tensor, limit: cute.Tensor, j0: Int32, hi: Int32, start: Int32,
+          window_left: Int32, causal: cutlass.Constexpr, use_window: cutlass.Constexpr, lower: cutlass.Constexpr):
+    """Sets the scores of keys a row does not see to -inf (`common.visible_range`); `lower`: also those below
+    a row's first visible key."""
+    base = j0 + t_cs[0][1]
+    up = cute.make_rmem_tensor((2,), Int32)
+    low = cute.make_rmem_tensor((2,), Int32)
+    for rh in cutlass.range_constexpr(2):
+        k_lo, k_hi = visible_range(hi, start, limit[rh], window_left, causal, use_window)
+        up[rh] = k_hi - base
+        low[rh] = k_lo - base
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        off = t_cs[i][1] - t_cs[0][1]  # compile-time: a thread's columns are its first plus a fixed pattern
+        ok = off < up[(i // 2) % 2]
+        if const_expr(lower):
+            ok = ok & (off >= low[(i // 2) % 2])
+        acc_s[i] = acc_s[i] if ok else Float32(-math.inf)
