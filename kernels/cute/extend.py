@@ -462,8 +462,7 @@ class ExtendKernel:
                         # the last item's Q tile (every product of it is done), for the item after this one
                         self._release_q(mbar, 1 - qs, wgc, qn >= 1)
                     else:
-                        if n_tiles == 0:
-                            self._release_q(mbar, qs, wgc, True)  # no S reads it
+                        self._release_q(mbar, qs, wgc, n_tiles == 0)  # no S reads it
                     k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h,
                                               sm_scale, b, h)
                     if const_expr(not OV):
