@@ -12,7 +12,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -165,3 +165,11 @@ def stage_phase(it, stages: int):
 def release_phase(it, stages: int):
     """The phase the producer waits for on tile `it`'s stage before refilling it (it >= NS)."""
     return (it // stages + 1) % 2
+
+
+def ring_slot(it, stages: int):
+    """(stage, phase): tile `it`'s stage (it % NS) and the phase its full barriers complete in (`stage_phase`;
+    the producer's release phase is the other), for it >= 0 in unsigned arithmetic, which compiles to a mask
+    and a shift (NS a power of two) or a multiply-high, where signed division adds a fix-up for negative it."""
+    u = Uint32(it)
+    return Int32(u % stages), Int32((u // stages) % 2)

@@ -95,7 +95,7 @@ from cutlass.utils import LayoutEnum
 
 from b12x_inductor.kernels.cute import EXTEND_BLOCK_M, extend_geometry, tma, tma_box
 from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
-                                               live_range, release_phase, scales, stage_phase)
+                                               live_range, ring_slot, scales)
 from b12x_inductor.kernels.cute.ptx import mbarrier_arrive_if, pack2
 from b12x_inductor.kernels.cute.softmax import online_softmax
 
@@ -475,22 +475,23 @@ class ExtendKernel:
                     if n_tiles > 0:
                         # tile 0: scores and softmax, in flight with the open item's last P V; tile 0's P V is
                         # issued with the next tile's scores
-                        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, done % NS), stage_phase(done, NS))
+                        k_stage, k_phase = ring_slot(done, NS)
+                        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, k_stage), k_phase)
                         # with the open item's last P V (on ring tile done - 1) where it has key tiles; else the
                         # same product on this item's tile 0 (its V waited for here), whose result no store reads
                         # (acc_o is the open item's rows of no key, all scaled by 0, or no item's; P is finite:
                         # zeros before the CTA's first tile, softmaxed scores after). Issued on every path: ptxas
                         # serialized every wgmma of the kernel for a P V under a branch (C7520) in some builds.
-                        v_g = done
+                        v_stage = k_stage
                         if const_expr(OV):
-                            v_g = done - Int32(p_tiles > 0)
-                            cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, v_g % NS), stage_phase(v_g, NS))
+                            v_stage, v_phase = ring_slot(done - Int32(p_tiles > 0), NS)
+                            cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, v_stage), v_phase)
                         cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
                         self._take_turn(wgc)
                         warpgroup.fence()
-                        self._scores(acc_s, tSrQ, tSrK, done % NS, qs)
+                        self._scores(acc_s, tSrQ, tSrK, k_stage, qs)
                         if const_expr(OV):
-                            self._pv(acc_o, t_orp, tOrV, v_g % NS)
+                            self._pv(acc_o, t_orp, tOrV, v_stage)
                         self._pass_turn(wgc)
                         warpgroup.wait_group(1 if OV else 0)
                         if const_expr(self.q_bufs == 1):
@@ -516,15 +517,15 @@ class ExtendKernel:
                         # tile it - 1 into registers, tile it - 2's stage released
                         warpgroup.wait_group(0)
                         self._rescale_and_convert(acc_o, alpha, r_p, acc_s)
+                        g = done + it
                         if it >= 2:
-                            cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (done + it - 2) % NS))
+                            cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, ring_slot(g - 2, NS)[0]))
                         # in flight together: S = Q K^T of tile it and O += P V of tile it - 1; the softmax of
                         # tile it runs on the CUDA cores while P V (and the other consumer warpgroup's GEMMs) run
-                        g = done + it
-                        stage = g % NS
-                        prev = (g - 1) % NS
-                        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), stage_phase(g, NS))
-                        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, prev), stage_phase(g - 1, NS))
+                        stage, phase = ring_slot(g, NS)
+                        prev, prev_phase = ring_slot(g - 1, NS)
+                        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), phase)
+                        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, prev), prev_phase)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         self._take_turn(wgc)
                         warpgroup.fence()
@@ -541,7 +542,8 @@ class ExtendKernel:
                         warpgroup.wait_group(0)
                         self._rescale_and_convert(acc_o, alpha, r_p, acc_s)
                         if n_tiles >= 2:
-                            cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (done + n_tiles - 2) % NS))
+                            last2, _ = ring_slot(done + n_tiles - 2, NS)
+                            cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, last2))
                     if const_expr(self.q_bufs == 2):
                         qs = 1 - qs
                     if const_expr(OV):
@@ -589,17 +591,18 @@ class ExtendKernel:
                 # there; without it, the wait in this place made ptxas spill 144 bytes a thread at D 256
                 warpgroup.wait_group(0)
         if tiles > 0:
-            cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, g_last % NS))
+            cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, ring_slot(g_last, NS)[0]))
 
     @cute.jit
     def _last_pv(self, acc_o: cute.Tensor, t_orp: cute.Tensor, tOrV: cute.Tensor, mbar: cute.Pointer,
                  g_last: Int32):
         """Issues an item's last P V alone (outside the GEMM turns), on ring tile g_last once its V has landed."""
         NS = const_expr(self.stages)
-        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, g_last % NS), stage_phase(g_last, NS))
+        stage, phase = ring_slot(g_last, NS)
+        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 1, stage), phase)
         cute.arch.fence_proxy("async.shared", space="cta")
         warpgroup.fence()
-        self._pv(acc_o, t_orp, tOrV, g_last % NS)
+        self._pv(acc_o, t_orp, tOrV, stage)
 
     def _release_q(self, mbar: cute.Pointer, qs: Int32, wgc: Int32, last):
         """Where `last`: this consumer warpgroup's last S = Q K^T of its item is done (each thread arrives after
@@ -822,9 +825,9 @@ class ExtendKernel:
                 self._load_q(tidx, mbar, *q_at)
         for it in cutlass.range(n_tiles, unroll=1):
             g = done + it
-            stage = g % NS
+            stage, phase = ring_slot(g, NS)
             if g >= NS:
-                cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), release_phase(g, NS))
+                cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), 1 - phase)  # release_phase(g)
             j0 = lo + it * BN
             if const_expr(BOX != 0):
                 if (j0 % BOX == 0) & (j0 + BN <= length):
