@@ -97,6 +97,7 @@ from b12x_inductor.kernels.cute import EXTEND_BLOCK_M, extend_geometry, tma, tma
 from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
                                                live_range, ring_slot, scales)
 from b12x_inductor.kernels.cute.ptx import mbarrier_arrive_if, pack2
+from b12x_inductor.kernels.cute.mla import _moved
 from b12x_inductor.kernels.cute.softmax import online_softmax
 
 # (producer, consumer) registers after setmaxnreg by consumer warpgroups: 128 x 64 + 256 x 216 and
@@ -764,7 +765,8 @@ class ExtendKernel:
 
     def _masks(self) -> dict:
         """The compile-time flags of `online_softmax` for this kernel."""
-        return dict(tile_n=self.tile_n, causal=self.causal, use_window=self.use_window, use_softcap=self.use_softcap)
+        return dict(tile_n=self.tile_n, causal=self.causal, use_window=self.use_window, use_softcap=self.use_softcap,
+                    rescale_log2=8.0)
 
     def _take_turn(self, wgc):
         """Waits until consumer warpgroup `wgc` may issue its GEMMs (the one before it in the ring has issued
@@ -779,8 +781,9 @@ class ExtendKernel:
     def _rescale_and_convert(self, acc_o: cute.Tensor, alpha: cute.Tensor, r_p: cute.Tensor, acc_s: cute.Tensor):
         """O times alpha (its rows to the new running max), and P (the softmaxed score tile) to 16 bits, the A
         registers of the next P V. Only once the P V in flight is done: it reads both."""
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+        if _moved(alpha):
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
         r_p.store(acc_s.load().to(self.dtype))
 
     @cute.jit
