@@ -80,33 +80,41 @@ def test_cute_extend_plans_fit_shared_memory():
 
 def test_cute_extend_192_rows_at_d64_only():
     """The 192-row extend tile (three consumer warpgroups, 16 warps) fits shared memory at D 64 with the plan's
-    key tiles; the plan refuses it above D 64 (its 160 registers a consumer thread) and with another warp count."""
+    key tiles; the plan refuses it above D 64 (its 160 registers a consumer thread) and with another warp count
+    (100 new tokens: the rule's own choice is 128 rows, so each override is its own)."""
     from b12x_inductor.kernels.cute import extend_geometry
     from b12x_inductor.plan import family_plan
 
-    wide = family_plan(_problem(q_len=300, head_dim=64), "cute", block_m=192, num_warps=16)
+    wide = family_plan(_problem(q_len=100, head_dim=64), "cute", block_m=192, num_warps=16)
     assert (wide.block_m, wide.num_warps) == (192, 16)
     assert extend_geometry(d=64, tile_n=wide.block_n, stages=wide.num_stages, block_m=192) is not None
     assert extend_geometry(d=128, tile_n=128, stages=2, block_m=192) is None
     for d, tiles in ((128, dict(block_m=192, num_warps=16)), (64, dict(block_m=192)), (64, dict(num_warps=16)),
                      (64, dict(block_m=256, num_warps=20))):
         with pytest.raises(ValueError, match="extend kernel takes .block_m, num_warps. among"):
-            family_plan(_problem(q_len=300, head_dim=d), "cute", **tiles)
+            family_plan(_problem(q_len=100, head_dim=d), "cute", **tiles)
 
 
 def test_cute_extend_rows_rule():
-    """extend_rows: 192 rows at D 64 for 4D q of 2048 new tokens a request or more without a window, 128 for
-    fewer, packed q, a window, D 128; the plan follows it."""
+    """extend_rows: 192 rows at D 64 without a window where 1.5x its rounds of persistent CTAs (132 SMs) are at
+    most 1.3x the 128-row grid's (packed q: its capacity over its requests), else 128; the plan follows it."""
     from b12x_inductor.kernels.cute import plan as cute_plan
     from b12x_inductor.plan import family_plan
 
-    wide = _problem(q_len=2048, head_dim=64)
-    assert cute_plan.extend_rows(wide) == 192
-    for kw in (dict(q_len=1024), dict(q_len=4096, packed=True), dict(q_len=4096, window_left=127),
-               dict(q_len=4096, head_dim=128)):
-        problem = _problem(**dict(dict(head_dim=64), **kw))
-        assert cute_plan.extend_rows(problem) == 128 == family_plan(problem, "cute").block_m, kw
-    plan = family_plan(wide, "cute")
+    # rounds at (128, 192) rows: (32, 24) at 16x1024 and 32x512, (4, 3) at 2x1024, (32, 22) at 8x2048
+    wide = [dict(batch=16, q_len=1024), dict(batch=32, q_len=512), dict(batch=2, q_len=1024),
+            dict(batch=8, q_len=2048), dict(batch=16, q_len=16384, packed=True), dict(batch=2, q_len=2048, packed=True)]
+    # (2, 2) at 1x1024 (the chunk of 1024 new tokens that measured 1.14x faster on 128 rows), (1, 1) at 1x2048 with
+    # 8 heads; (16, 16) at packed 8192 over 64 requests (128 new tokens each); no 192 with a window or at D 128
+    narrow = [dict(batch=1, q_len=1024), dict(batch=1, q_len=2048, num_q_heads=8, num_kv_heads=1),
+              dict(batch=64, q_len=8192, packed=True), dict(batch=4, q_len=4096, window_left=127),
+              dict(batch=4, q_len=4096, head_dim=128)]
+    for rows, cases in ((192, wide), (128, narrow)):
+        for kw in cases:
+            problem = _problem(**dict(dict(head_dim=64), **kw))
+            assert cute_plan.extend_rows(problem) == rows == family_plan(problem, "cute").block_m, kw
+    assert [cute_plan.extend_rounds(_problem(batch=1, q_len=1024, head_dim=64), m) for m in (128, 192)] == [2, 2]
+    plan = family_plan(_problem(batch=8, q_len=2048, head_dim=64), "cute")
     assert (plan.block_m, plan.num_warps, plan.block_n, plan.num_stages) == (192, 16, 128, 4)
 
 
@@ -545,7 +553,8 @@ def test_gpu_cute_extend_192_rows_compile_reduce_overhead_no_skip_no_recompile(m
 
     monkeypatch.setattr(cute_plan, "measured_faster", lambda problem: True)
     ops.plan_for.cache_clear()
-    t = make_inputs(batch=2, q_len=2048, hq=8, hkv=2, d=64, page_size=16, lens=[2048, 2500], spare_pages=4,
+    # 16 heads: 352 items of 192 rows take fewer rounds of the GPU's CTAs than 512 of 128 (extend_rows)
+    t = make_inputs(batch=2, q_len=2048, hq=16, hkv=4, d=64, page_size=16, lens=[2048, 2500], spare_pages=4,
                     device="cuda", seed=13)
 
     def step(q, k, v, pt, lens):

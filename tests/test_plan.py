@@ -247,7 +247,7 @@ bf16 extend 1x16384          extend  cute   splits=1   m=128 n=128 warps=12 stag
 bf16 packed T=16384          extend  cute   splits=1   m=128 n=128 warps=12 stages=3 scratch=0
 bf16 extend D=64 8192:1024   extend  cute   splits=1   m=128 n=128 warps=12 stages=4 scratch=0
 bf16 extend D=64 4x4096      extend  cute   splits=1   m=192 n=128 warps=16 stages=4 scratch=0
-bf16 packed D=64 T=4096      extend  cute   splits=1   m=128 n=128 warps=12 stages=4 scratch=0
+bf16 packed D=64 T=4096      extend  cute   splits=1   m=192 n=128 warps=16 stages=4 scratch=0
 bf16 extend D=256            extend  cute   splits=1   m=128 n=48  warps=12 stages=3 scratch=0
 bf16 extend D=256 page 64    extend  cute   splits=1   m=128 n=32  warps=12 stages=4 scratch=0
 fp8 extend 1x16384           extend  triton splits=1   m=128 n=128 warps=8 stages=3 scratch=0

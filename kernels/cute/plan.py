@@ -6,8 +6,8 @@ measured with (CUTE_SPLITS). block_m 1 selects the CUDA-core kernel (decode.py),
 one (decode_mma.py), which takes float8 decode once a split spans at least MMA_MIN_SPLIT_KEYS of the keys a
 query can see (Problem.kv_span). Extend: 128 query rows (two consumer warpgroups) and a producer warpgroup,
 128-key tiles (48 or 32 at D 256), as many stages as shared memory holds (extend_tiles, extend_geometry),
-persistent CTAs (one per SM); 192 rows (three consumers) at D 64 for long 4D prefills (extend_rows). Absorbed MLA
-decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per SM (MLA_SPLITS); the seesaw
+persistent CTAs (one per SM); 192 rows (three consumers) at D 64 where its rounds of CTAs cost less
+(extend_rows). Absorbed MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per SM (MLA_SPLITS); the seesaw
 kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query rows or more per request with long splits
 (mla_plan), else mla.py (4 stages of 32 keys); a float8 latent cache on mla.py, or on the narrow kernel
 (mla_narrow.py, block_m 16: products transposed, 5 stages of 64 keys) where a request has at most 16 query rows;
@@ -39,7 +39,7 @@ EXTEND_TILES = {64: (128, 4), 128: (128, 3), 256: (48, 3)}
 EXTEND_BLOCK_M = 128
 EXTEND_ROWS = {EXTEND_BLOCK_M: 12, 192: 16}
 EXTEND_WIDE_MAX_D = 64
-EXTEND_WIDE_MIN_Q = 2048  # extend_rows: new tokens a request (4D q) from which D <= 64 takes 192-row tiles
+EXTEND_WIDE_RATE = 1.3  # extend_rows: 192-row tiles' throughput a row against 128-row tiles', D <= 64 (H100)
 EXTEND_D256_BOX32 = (32, 4)
 MLA_TILE = dict(block_m=64, block_n=32, num_stages=4, num_warps=12)  # mla.py: 64 rows, 4 stages of 32 keys
 MLA_SPLITS = dict(programs_per_sm=1, max_splits=128)  # one CTA fits an SM (223-226 KB of shared memory)
@@ -128,20 +128,28 @@ def extend_rows_fit(block_m: int, head_dim: int) -> bool:
     return block_m in EXTEND_ROWS and (block_m == EXTEND_BLOCK_M or head_dim <= EXTEND_WIDE_MAX_D)
 
 
+def extend_rounds(problem: Problem, block_m: int) -> int:
+    """Rounds of the persistent extend grid at block_m rows: ceil(items / SMs), items = B x Hq x row tiles of a
+    request's new tokens (4D q: S; packed q [T, Hq, D]: T / B, its capacity shared out over its requests)."""
+    per_request = max(problem.q_len // problem.batch, 1) if problem.packed else problem.q_len
+    items = problem.batch * problem.num_q_heads * -(-per_request // block_m)
+    return -(-items // max(problem.sm_count, 1))
+
+
 def extend_rows(problem: Problem) -> int:
-    """extend.py's query rows a CTA: 192 (three consumer warpgroups) at D <= 64 for 4D q of at least
-    EXTEND_WIDE_MIN_Q new tokens a request without a window, else 128. Measured on an H100 (h200.md, "Session 55"):
-    192 rows 1.09-1.20x at 2048 new tokens a request or more, D 64; 0.93x at 16x1024 and 0.86x at 1x8192:1024,
-    where a request's rows pad to 192 (1152 for 1024) and the fewer, longer items fill the last round of CTAs
-    worse. Since session 58 a 4D request's row tiles end on its last row (extend.py), so the padded rows sit in its
-    first tile, which sees the fewest keys: 192 rows then measured 1.03x the 128-row plan on an H100 at 16x1024
-    (h200.md, "Session 58"), but 1024 new tokens stay on 128 rows: the static problem cannot tell a full prefill
-    from a chunk on a long prefix (1x8192:1024), whose 192-row items all see the prefix and fill fewer rounds of
-    CTAs. Packed q keeps 128: its requests' lengths are the device's, and short ones would pad."""
-    if (extend_rows_fit(192, problem.head_dim) and not problem.packed and problem.window_left < 0
-            and problem.q_len >= EXTEND_WIDE_MIN_Q):
-        return 192
-    return EXTEND_BLOCK_M
+    """extend.py's query rows a CTA: 192 (three consumer warpgroups) or 128. 192 only at D <= 64 without a
+    window, and only where its rounds of CTAs (extend_rounds), each 1.5x as long, cost no more than the 128-row
+    grid's at EXTEND_WIDE_RATE, 192 rows' throughput a row against 128's: 1.5 x rounds(192) <= 1.3 x rounds(128).
+    The rate is what rounds of equal items measured on an H100 (h200.md, "Session 65"; chunks of 1024 new tokens
+    on an 8192-key prefix, Hq 32, so every item sees about the same keys): one request, 2 rounds either way, ran
+    1.14x faster on 128 rows (the model: 3 / 2.6 = 1.15x); two requests, 3 rounds against 4, 1.16x faster on 192
+    (the model: 5.2 / 4.5 = 1.16x). Full prefills take many rounds of items of every length, where the rule picks
+    192: measured 1.09-1.13x at 32x512 and 16x1024, 4D and packed. The static problem cannot tell a full prefill
+    from a chunk on a long prefix, so the rule takes the chunk's model, the case where fewer, longer items cost."""
+    if not extend_rows_fit(192, problem.head_dim) or problem.window_left >= 0:
+        return EXTEND_BLOCK_M
+    wide = 192 / EXTEND_BLOCK_M * extend_rounds(problem, 192)
+    return 192 if wide <= EXTEND_WIDE_RATE * extend_rounds(problem, EXTEND_BLOCK_M) else EXTEND_BLOCK_M
 
 
 def extend_tiles(head_dim: int, page: int) -> tuple[int, int]:
