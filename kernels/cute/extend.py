@@ -97,8 +97,8 @@ from b12x_inductor.kernels.cute import EXTEND_BLOCK_M, extend_geometry, tma, tma
 from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
                                                live_range, ring_slot, scales)
 from b12x_inductor.kernels.cute.ptx import mbarrier_arrive_if, pack2
-from b12x_inductor.kernels.cute.mla import _moved
-from b12x_inductor.kernels.cute.softmax import online_softmax
+from b12x_inductor.kernels.cute.softmax import RESCALE_LOG2, online_softmax
+from b12x_inductor.kernels.cute.softmax import moved as _moved
 
 # (producer, consumer) registers after setmaxnreg by consumer warpgroups: 128 x 64 + 256 x 216 and
 # 128 x 32 + 384 x 160 fit the 65536 of an SM (three consumers, as FlashAttention-3's 192-row tile at D 64)
@@ -766,7 +766,7 @@ class ExtendKernel:
     def _masks(self) -> dict:
         """The compile-time flags of `online_softmax` for this kernel."""
         return dict(tile_n=self.tile_n, causal=self.causal, use_window=self.use_window, use_softcap=self.use_softcap,
-                    rescale_log2=8.0)
+                    rescale_log2=RESCALE_LOG2)
 
     def _take_turn(self, wgc):
         """Waits until consumer warpgroup `wgc` may issue its GEMMs (the one before it in the ring has issued

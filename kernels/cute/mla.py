@@ -80,7 +80,8 @@ from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, emp
                                                stage_phase)
 from b12x_inductor.kernels.cute.plan import MLA_FP8_LAG as FP8_LAG  # float8 tiles loaded ahead of the one widened
 from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, ld_dsmem_f32, ld_dsmem_v4, pack2
-from b12x_inductor.kernels.cute.softmax import online_softmax
+from b12x_inductor.kernels.cute.softmax import RESCALE_LOG2, online_softmax
+from b12x_inductor.kernels.cute.softmax import moved as _moved
 
 THREADS = 384  # producer warpgroup + two consumer warpgroups
 HALF = DV // 2  # output columns per consumer warpgroup
@@ -99,7 +100,6 @@ OWN_BAR = 5  # 5, 6: consumer c's own P writes are complete (its 128 threads)
 Q_BAR = 7  # the Q tile is in shared memory (both consumers)
 SUM_BAR = 8  # the partial row sums are exchanged (both consumers)
 PRODUCER_BAR = 9  # float8 cache: the producer's 128 threads hold a tile's float8 chunks, which widening overwrites
-RESCALE_LOG2 = 8.0  # the running max moves only by more than 2^8 (online_softmax): O is rarely rescaled
 
 
 def cluster_flag(cluster: bool, num_splits: int) -> bool:
@@ -799,17 +799,6 @@ def query_parts(q_ptr, q_sb, q_ss, q_sh, qpe_ptr, pe_sb, pe_ss, pe_sh) -> dict:
     stride, token stride, head stride) in elements."""
     assert (BLOCK_M * (DV // 8)) % 256 == 0 and (BLOCK_M * (CHUNKS - DV // 8)) % 256 == 0
     return {"nope": (q_ptr, q_sb, q_ss, q_sh), "pe": (qpe_ptr, pe_sb, pe_ss, pe_sh)}
-
-
-@cute.jit
-def _moved(alpha: cute.Tensor):
-    """Whether any alpha of this warp (its rows', or mla_narrow.py's columns') is not 1 (a running max moved:
-    online_softmax's rescale_log2); warp-uniform (not warpgroup-uniform: never a condition around
-    wgmma.wait_group), so a warp whose maxima did not move skips rescaling O."""
-    moved = alpha[0] != Float32(1.0)
-    for i in cutlass.range_constexpr(1, cute.size(alpha)):
-        moved = moved | (alpha[i] != Float32(1.0))
-    return cute.arch.vote_any_sync(moved)
 
 
 @cute.jit

@@ -57,9 +57,11 @@ from b12x_inductor.kernels.cute import MLA_NARROW_ROWS as ROWS  # query rows of 
 from b12x_inductor.kernels.cute.common import (NEG_BIG, PageRow, empty_barrier, full_barrier,
                                                live_range, logit, output_factor, release_phase, scales,
                                                split_keys, stage_phase, visible)
-from b12x_inductor.kernels.cute.mla import (CHUNKS, CHUNKS8, RESCALE_LOG2, MlaSplitKernel, _chunk, _chunks_view,
-                                            _moved, _with_stage_stride, cluster_flag, query_parts)
+from b12x_inductor.kernels.cute.mla import (CHUNKS, CHUNKS8, MlaSplitKernel, _chunk, _chunks_view, _with_stage_stride,
+                                            cluster_flag, query_parts)
 from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, pack2, prmt
+from b12x_inductor.kernels.cute.softmax import RESCALE_LOG2
+from b12x_inductor.kernels.cute.softmax import moved as _moved
 
 THREADS = 384  # producer warpgroup + two consumer warpgroups
 TILE_N = 64  # keys of a tile: the wgmma's M

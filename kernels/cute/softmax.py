@@ -1,5 +1,6 @@
 """The online softmax of one wgmma score tile, written once for the CuTe DSL kernels that keep scores in an
-m64nN accumulator (extend.py, mla.py).
+m64nN accumulator (extend.py, mla.py), and the lazy rescale those and the other kernels share (RESCALE_LOG2,
+`moved`).
 
 Fragment element i of the accumulator is in row half (i // 2) % 2: each thread holds two rows (r and r + 8)
 of the tile, and the four threads of a quad share them (a row's maxima and sums reduce over the quad by
@@ -15,6 +16,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from b12x_inductor.kernels.cute.common import NEG_BIG, logit, visible_range
+
+RESCALE_LOG2 = 8.0  # the running max moves only by more than 2^8 (online_softmax): O is rarely rescaled
 
 
 @cute.jit
@@ -74,6 +77,17 @@ def online_softmax(acc_s: cute.Tensor, t_cs: cute.Tensor, m_run: cute.Tensor, l_
             acc_s[idx[k]] = p
             sums[k % 4] = sums[k % 4] + p
         l_run[rh] = l_run[rh] * alpha[rh] + ((sums[0] + sums[1]) + (sums[2] + sums[3]))
+
+
+@cute.jit
+def moved(alpha: cute.Tensor):
+    """Whether any alpha of this warp (its rows', or mla_narrow.py's columns') is not 1 (a running max moved:
+    online_softmax's rescale_log2); warp-uniform (not warpgroup-uniform: never a condition around
+    wgmma.wait_group), so a warp whose maxima did not move skips rescaling O."""
+    any_moved = alpha[0] != Float32(1.0)
+    for i in cutlass.range_constexpr(1, cute.size(alpha)):
+        any_moved = any_moved | (alpha[i] != Float32(1.0))
+    return cute.arch.vote_any_sync(any_moved)
 
 
 @cute.jit
