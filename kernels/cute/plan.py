@@ -8,10 +8,10 @@ query can see (Problem.kv_span). Extend: 128 query rows (two consumer warpgroups
 128-key tiles (48 or 32 at D 256), as many stages as shared memory holds (extend_tiles, extend_geometry),
 persistent CTAs (one per SM); 192 rows (three consumers) at D 64 where its rounds of CTAs cost less
 (extend_rows). Absorbed MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per SM
-(MLA_SPLITS); the seesaw kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query rows or more per request with long splits
-(mla_plan), else mla.py (4 stages of 32 keys); a float8 latent cache on mla.py, or on the narrow kernel
-(mla_narrow.py, block_m 16: products transposed, 5 stages of 64 keys) where a request has at most 16 query rows;
-two splits merge in their cluster (mla_cluster_merge), more in the merge kernel. The
+(MLA_SPLITS); the seesaw kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query rows or more per
+request with long splits (mla_plan), else mla.py (4 stages of 32 keys); a float8 latent cache on mla.py, or on
+the narrow kernel (mla_narrow.py, block_m 16: products transposed, 5 stages of 64 keys) where a request has at
+most 16 query rows; two splits merge in their cluster (mla_cluster_merge), more in the merge kernel. The
 choices and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL kernels", "Session 27", "Session
 29", "Session 33", "Session 34", "Session 36", "Session 38", "Session 55", "Session 56" and "Session 57".
 """
