@@ -31,7 +31,7 @@ F8 = torch.float8_e4m3fn
 def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="NHD", dtype=torch.bfloat16,
                 kv_dtype=None, packed=False, lens=None, q_lens=None, kv_start=False, sinks=False, descale=None,
                 seed=0, device="cpu", spare_pages=1, nan_unused=False, key_mask=None, dv=None, v_view=False,
-                split_q=False, window_left=-1):
+                split_q=False, window_left=-1, score_ramp=0.0):
     """Tensors of one call: caches are views of a combined [num_pages, 2, ...] cache (odd strides), pages in random
     order, fresh random values. `dv`: v's head dim where it differs from d (k and v are then the first d and dv
     columns of the two halves of a [..., max(d, dv)] cache); `v_view`: v is k's first dv columns, the same storage
@@ -43,7 +43,9 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
     (every other key column of a wider mask); with nan_unused, slots no row of their request sees are NaN. With
     nan_unused and `window_left` >= 0 (the call's sliding window, causal rows), so are the slots before the window
     of the request's first query row. `split_q` (d 576): the query in two tensors, q its first 512 columns (a slice
-    of a wider buffer) and q_pe the last 64 (a transposed view), as MLA's q_nope and q_pe come."""
+    of a wider buffer) and q_pe the last 64 (a transposed view), as MLA's q_nope and q_pe come. `score_ramp`: key j
+of a request of n keys has its k row times 1 + score_ramp x j / n, so scores grow along the keys and a running
+max moves by more than 2^8 (the kernels' lazy rescale, softmax.RESCALE_LOG2) after the first tiles."""
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
     dv = d if dv is None else dv
@@ -54,6 +56,15 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
     inner = (page_size, hkv, width) if kv_layout == "NHD" else (hkv, page_size, width)
     kv = torch.randn((num_pages, 2, *inner), generator=gen) * (2.0 if kv_dtype == F8 else 1.0)
     page_table = torch.randperm(num_pages, generator=gen)[: batch * max_pages].reshape(batch, max_pages)
+    if score_ramp:
+        for b, n in enumerate(lens):
+            j = torch.arange(n)
+            f = (1 + score_ramp * j / max(n, 1))[:, None, None]
+            pages, slots = page_table[b, j // page_size], j % page_size
+            if kv_layout == "NHD":
+                kv[pages, 0, slots] *= f
+            else:
+                kv[pages, 0, :, slots] *= f
     if isinstance(kv_start, (list, tuple)):
         starts = list(kv_start)
     else:
@@ -162,6 +173,11 @@ INTERPRETER_CASES = [
     ("decode_fp8_bh", "decode", (2, 16, 16), dict(kv_dtype=F8, descale="bh"), dict()),
     ("decode_fp8_b_hnd", "decode", (1, 16, 16), dict(kv_dtype=F8, descale="b", kv_layout="HND"), dict()),
     ("verify_features", "verify", (3, 16, 16), dict(q_len=4, kv_start=True, sinks=True), dict(window_left=3)),
+    # scores that grow along the keys (score_ramp): running maxima that move by far more than 2^8 after the first tile
+    ("decode_fp8_score_ramp", "decode", (2, 16, 16), dict(kv_dtype=F8, descale="bh", lens=[300, 90], score_ramp=8.0,
+                                                          nan_unused=True), dict()),
+    ("verify_score_ramp_window", "verify", (2, 16, 16), dict(q_len=3, lens=[260, 40], kv_start=True, score_ramp=8.0,
+                                                             nan_unused=True), dict(window_left=150)),
     ("verify_mtiles_short", "verify", (2, 16, 16), dict(q_len=5, hq=8, hkv=1, lens=[3, 12], page_size=3), dict()),
     # whole pages per tile (pages of 4 under 16-key tiles, of 32 over them): the range start rounded down to
     # the alignment, the NaN slots before kv_start and before the window never loaded
