@@ -44,8 +44,8 @@ def make_inputs(*, batch=2, q_len=1, hq=4, hkv=2, d=64, page_size=4, kv_layout="
     nan_unused and `window_left` >= 0 (the call's sliding window, causal rows), so are the slots before the window
     of the request's first query row. `split_q` (d 576): the query in two tensors, q its first 512 columns (a slice
     of a wider buffer) and q_pe the last 64 (a transposed view), as MLA's q_nope and q_pe come. `score_ramp`: key j
-of a request of n keys has its k row times 1 + score_ramp x j / n, so scores grow along the keys and a running
-max moves by more than 2^8 (the kernels' lazy rescale, softmax.RESCALE_LOG2) after the first tiles."""
+    of a request of n keys has its k row times 1 + score_ramp x j / n, so scores grow along the keys and a running
+    max moves by more than 2^8 (the kernels' lazy rescale, softmax.RESCALE_LOG2) after the first tiles."""
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
     dv = d if dv is None else dv
