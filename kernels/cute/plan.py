@@ -130,7 +130,8 @@ def extend_rows_fit(block_m: int, head_dim: int) -> bool:
 
 def extend_rounds(problem: Problem, block_m: int) -> int:
     """Rounds of the persistent extend grid at block_m rows: ceil(items / SMs), items = B x Hq x row tiles of a
-    request's new tokens (4D q: S; packed q [T, Hq, D]: T / B, its capacity shared out over its requests)."""
+    request's new tokens (4D q: S; packed q [T, Hq, D]: T / B, its capacity shared out over its requests, which
+    undercounts a bucket that few long requests fill: its lengths are the device's)."""
     per_request = max(problem.q_len // problem.batch, 1) if problem.packed else problem.q_len
     items = problem.batch * problem.num_q_heads * -(-per_request // block_m)
     return -(-items // max(problem.sm_count, 1))
