@@ -441,6 +441,18 @@ GPU_CASES = [
     ("verify_one_wave_window", dict(batch=33, q_len=4, hq=32, hkv=8, d=128, page_size=16,
                                     lens=[(i * 211) % 1500 + 4 for i in range(33)], kv_start=True, nan_unused=True),
      dict(window_left=300)),
+    # scores that grow along the keys (score_ramp): running maxima that move by more than 2^8 mid-request
+    ("decode_fp8_score_ramp", dict(batch=2, hq=32, hkv=8, d=128, page_size=16, lens=[2500, 700], kv_dtype=F8,
+                                   descale="bh", nan_unused=True, score_ramp=8.0), {}),
+    ("verify_s4_score_ramp_window", dict(batch=2, q_len=4, hq=32, hkv=8, d=128, page_size=16, lens=[1800, 300],
+                                         kv_start=True, nan_unused=True, score_ramp=8.0), dict(window_left=900)),
+    ("extend_d64_score_ramp", dict(batch=2, q_len=300, hq=8, hkv=2, d=64, page_size=16, lens=[1500, 300],
+                                   nan_unused=True, score_ramp=8.0), {}),
+    ("decode_mla576_h128_score_ramp", dict(batch=2, hq=128, hkv=1, d=576, dv=512, v_view=True, page_size=64,
+                                           lens=[3000, 200], nan_unused=True, score_ramp=8.0), {}),
+    ("decode_mla576_fp8_h16_score_ramp", dict(batch=2, hq=16, hkv=1, d=576, dv=512, v_view=True, page_size=64,
+                                              lens=[2500, 77], kv_dtype=F8, descale="b", nan_unused=True,
+                                              score_ramp=8.0), {}),
     # B x Hkv = 192: the split rule's 4 splits halved to 2 for one wave of five programs an SM (H200)
     ("decode_b24_split", dict(batch=24, hq=32, hkv=8, d=128, page_size=16,
                               lens=[(i * 733) % 3000 + 300 for i in range(24)], nan_unused=True), {}),
