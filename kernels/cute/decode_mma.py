@@ -4,9 +4,19 @@ The query rows of one KV head (at most 16: S x G) fill one m16 tile; each of the
 16 or 32 keys of every tile and keeps its own online softmax, so warps meet only at the one barrier that
 hands over a stage (decode.py's loaders, TMA or cp.async, and swizzled ring) and at the end, where the warps' partial
 results are merged in shared memory. Per warp and tile: S = Q K^T (KW/8 n-tiles x D/16 k-steps), masks and
-softmax on the accumulator fragments, O += P V (D/8 n-tiles x KW/16 k-steps). Float8 caches are widened in
-registers: K pairs with one cvt.rn.f16x2.e4m3x2, V bytes of two keys packed then widened; the products of
-a float8 (or fp16) cache run in fp16, of a bf16 cache in bf16, always accumulating in fp32.
+softmax on the accumulator fragments, O += P V (D/8 n-tiles x KW/16 k-steps). The products of a float8 (or
+fp16) cache run in fp16, of a bf16 cache in bf16, always accumulating in fp32.
+
+A float8 tile is read in 16-byte (or 8-byte) pieces and widened in registers, the head dim permuted so that
+each thread's bytes of a row are contiguous; a permutation of the reduced dim (K's and Q's alike) leaves
+S = Q K^T unchanged, one of the output columns (V's and O's alike) is undone where O is stored:
+- S: thread (g, t) reads D / 4 bytes of key row n, physical columns (D/4) t + 4 ks + 2 h + e for k-step ks,
+  register h and element e: one cvt per half-word, no byte moves. Q's A registers take the same columns.
+- O += P V: thread (g, t) reads D / 8 bytes (value columns (D/8) g + nt for n-tile nt) of each of its key rows
+  2t + 8h and + 1 of a k-step, pairs the two rows byte by byte (prmt) and widens the pairs. Output column j of
+  n-tile nt is value column (D/8) j + nt (`_merge_warps`).
+A piece never crosses a 16-byte chunk, so the ring's swizzle (chunk c of key r at c ^ (r & swizzle)) moves
+whole pieces: K's chunk (D/64) t + i of row gq (mod 8 with the key base), V's piece g of rows 2t + 8h (+ 1).
 
 Fragment layouts (PTX ISA, mma.m16n8k16, g = lane // 4, t = lane % 4): A registers (row g, cols 2t..2t+1),
 (row g+8, same), (row g, cols 2t+8..), (row g+8, cols 2t+8..); B registers (k 2t..2t+1, n g), (k 2t+8.., n g);
@@ -20,14 +30,17 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint8, Uint16, Uint32, const_expr
+from cutlass import Float32, Int32, Int64, Uint16, Uint32, const_expr
 
 from b12x_inductor.kernels.cute import mma_geometry
 from b12x_inductor.kernels.cute.common import NEG_BIG, logit, scales, visible
 from b12x_inductor.kernels.cute.decode import SplitKernel
-from b12x_inductor.kernels.cute.ptx import e4m3x2_to_f16x2 as _e4m3x2_to_f16x2
+from b12x_inductor.kernels.cute.softmax import RESCALE_LOG2
+from b12x_inductor.kernels.cute.softmax import moved as _moved
+from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4 as _e4m3x4_to_f16x4
 from b12x_inductor.kernels.cute.ptx import mma_m16n8k16 as _mma
 from b12x_inductor.kernels.cute.ptx import pack2 as _pack2
+from b12x_inductor.kernels.cute.ptx import prmt as _prmt
 
 
 class MmaSplitKernel(SplitKernel):
@@ -90,9 +103,13 @@ class MmaSplitKernel(SplitKernel):
 
         # ---- shared memory: the K/V ring (later: the warps' partial outputs), the warps' row stats ----
         ring_raw, sK, sV, tiles = self._ring(storage, tidx, tma_k, m_k, tma_v, m_v)
-        if const_expr(self.fp8):
-            k16 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint16), cute.make_layout((1 << 24,)))
-            v8 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint8), cute.make_layout((1 << 24,)))
+        if const_expr(self.fp8):  # 32-bit words: K's 16-byte chunks, V's pieces of D / 8 bytes (the docstring)
+            words = cute.recast_ptr(ring_raw, dtype=Uint32)
+            wk = cute.make_tensor(words, cute.make_layout((NS, TILE_N, D // 16, 4),
+                                                          stride=(TILE_N * D // 4, D // 4, 4, 1)))
+            wv = cute.make_tensor(words + NS * TILE_N * D // 4,
+                                  cute.make_layout((NS, TILE_N, 8, D // 32), stride=(TILE_N * D // 4, D // 4,
+                                                                                     D // 32, 1)))
         else:
             k32 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint32), cute.make_layout((1 << 24,)))
             v16 = cute.make_tensor(cute.recast_ptr(ring_raw, dtype=Uint16), cute.make_layout((1 << 24,)))
@@ -113,6 +130,8 @@ class MmaSplitKernel(SplitKernel):
                 col = ks * 16 + 2 * tq + 8 * (reg // 2)
                 x0 = Float32(0.0)
                 x1 = Float32(0.0)
+                if const_expr(self.fp8):  # the float8 tile's column order (the docstring)
+                    col = (D // 4) * tq + 4 * ks + 2 * (reg // 2)
                 if r < R:
                     off = Int64(b) * q_sb + Int64(r // G) * q_ss + Int64(h * G + r % G) * q_sh + Int64(col)
                     x0 = Float32(q_rows[off])
@@ -132,6 +151,14 @@ class MmaSplitKernel(SplitKernel):
             l_run[i] = Float32(0.0)
         limit0 = length - S + cutlass.min(gq, R - 1) // G  # causal limits of rows gq and gq + 8
         limit1 = length - S + cutlass.min(gq + 8, R - 1) // G
+        # keys every row sees, [full_lo, full_hi): a tile inside needs no mask (the first row's causal limit, the
+        # last row's window edge)
+        full_lo = start
+        if const_expr(self.use_window):
+            full_lo = cutlass.max(start, length - 1 - window_left)
+        full_hi = s_hi
+        if const_expr(self.causal):
+            full_hi = cutlass.min(s_hi, length - S + 1)
 
         for st in cutlass.range_constexpr(NS - 1):
             if st < n_tiles:
@@ -158,29 +185,38 @@ class MmaSplitKernel(SplitKernel):
                     sacc[t, c] = Float32(0.0)
                 n = key0 + 8 * t + gq
                 sw = n & self.swizzle
+                if const_expr(self.fp8):
+                    kx = cute.make_rmem_tensor((D // 64, 4), Uint32)  # this thread's D / 4 bytes of row n
+                    for i in cutlass.range_constexpr(D // 64):
+                        cute.autovec_copy(wk[stage, n, ((D // 64) * tq + i) ^ sw, None], kx[i, None])
                 for ks in cutlass.range_constexpr(KSTEPS):
                     bregs = cute.make_rmem_tensor((2,), Uint32)
-                    for half in cutlass.range_constexpr(2):
-                        k = ks * 16 + 2 * tq + 8 * half
-                        e = kbase + n * D + (((k // VEC) ^ sw) * VEC) + k % VEC
-                        if const_expr(self.fp8):
-                            bregs[half] = _e4m3x2_to_f16x2(k16[e // 2])
-                        else:
+                    if const_expr(self.fp8):
+                        bregs[0], bregs[1] = _e4m3x4_to_f16x4(kx[ks // 4, ks % 4])
+                    else:
+                        for half in cutlass.range_constexpr(2):
+                            k = ks * 16 + 2 * tq + 8 * half
+                            e = kbase + n * D + (((k // VEC) ^ sw) * VEC) + k % VEC
                             bregs[half] = k32[e // 2]
                     out4 = _mma(qa[ks, 0], qa[ks, 1], qa[ks, 2], qa[ks, 3], bregs[0], bregs[1],
                                 sacc[t, 0], sacc[t, 1], sacc[t, 2], sacc[t, 3], bf16=BF)
                     for c in cutlass.range_constexpr(4):
                         sacc[t, c] = out4[c]
 
-            # masks, scale and the online softmax of rows gq (c 0, 1) and gq + 8 (c 2, 3)
+            # scale, masks (on a tile past [full_lo, full_hi): a branch uniform over the CTA) and the online
+            # softmax of rows gq (c 0, 1) and gq + 8 (c 2, 3)
             tile_lo = s_lo + it * TILE_N
             for t in cutlass.range_constexpr(KW // 8):
                 for c in cutlass.range_constexpr(4):
-                    j = tile_lo + key0 + 8 * t + 2 * tq + c % 2
-                    x = logit(sacc[t, c], k_scale, softcap, self.use_softcap)
-                    limit = limit0 if c < 2 else limit1
-                    ok = visible(j, s_hi, start, limit, window_left, self.causal, self.use_window)
-                    sacc[t, c] = x if ok else Float32(-math.inf)
+                    sacc[t, c] = logit(sacc[t, c], k_scale, softcap, self.use_softcap)
+            if (tile_lo < full_lo) | (tile_lo + TILE_N > full_hi):
+                for t in cutlass.range_constexpr(KW // 8):
+                    for c in cutlass.range_constexpr(4):
+                        j = tile_lo + key0 + 8 * t + 2 * tq + c % 2
+                        limit = limit0 if c < 2 else limit1
+                        ok = visible(j, s_hi, start, limit, window_left, self.causal, self.use_window)
+                        sacc[t, c] = sacc[t, c] if ok else Float32(-math.inf)
+            alpha = cute.make_rmem_tensor((2,), Float32)
             for i in cutlass.range_constexpr(2):
                 t_max = Float32(NEG_BIG)
                 for t in cutlass.range_constexpr(KW // 8):
@@ -188,7 +224,10 @@ class MmaSplitKernel(SplitKernel):
                 t_max = cutlass.max(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=1))
                 t_max = cutlass.max(t_max, cute.arch.shuffle_sync_bfly(t_max, offset=2))
                 m_new = cutlass.max(m_run[i], t_max)
-                alpha = cute.arch.exp2(m_run[i] - m_new)
+                # the running max moves only by more than RESCALE_LOG2 (P up to 2^8, exact in fp32 and in 16 bits
+                # as any P; O and the sum stay relative to one max): alpha is then exactly 1 on most tiles
+                m_new = m_new if m_new > m_run[i] + Float32(RESCALE_LOG2) else m_run[i]
+                alpha[i] = cute.arch.exp2(m_run[i] - m_new)
                 m_run[i] = m_new
                 psum = Float32(0.0)
                 for t in cutlass.range_constexpr(KW // 8):
@@ -196,10 +235,12 @@ class MmaSplitKernel(SplitKernel):
                         p = cute.arch.exp2(sacc[t, 2 * i + c] - m_new)
                         sacc[t, 2 * i + c] = p
                         psum = psum + p
-                l_run[i] = l_run[i] * alpha + psum
-                for nt in cutlass.range_constexpr(NTILES):
-                    acc[nt, 2 * i] = acc[nt, 2 * i] * alpha
-                    acc[nt, 2 * i + 1] = acc[nt, 2 * i + 1] * alpha
+                l_run[i] = l_run[i] * alpha[i] + psum
+            if _moved(alpha):  # warp-uniform: a warp whose rows' maxima stayed skips rescaling O
+                for i in cutlass.range_constexpr(2):
+                    for nt in cutlass.range_constexpr(NTILES):
+                        acc[nt, 2 * i] = acc[nt, 2 * i] * alpha[i]
+                        acc[nt, 2 * i + 1] = acc[nt, 2 * i + 1] * alpha[i]
 
             # O += P V: P's A registers from the two S n-tiles, V's B registers two keys at a time
             for kk in cutlass.range_constexpr(KW // 16):
@@ -207,18 +248,31 @@ class MmaSplitKernel(SplitKernel):
                 pa1 = _pack2(sacc[2 * kk, 2], sacc[2 * kk, 3], bf16=BF)
                 pa2 = _pack2(sacc[2 * kk + 1, 0], sacc[2 * kk + 1, 1], bf16=BF)
                 pa3 = _pack2(sacc[2 * kk + 1, 2], sacc[2 * kk + 1, 3], bf16=BF)
+                if const_expr(self.fp8):
+                    vb = cute.make_rmem_tensor((NTILES, 2), Uint32)  # the B registers of every n-tile
+                    vx = cute.make_rmem_tensor((2, 2, D // 32), Uint32)  # (h, key 2t + 8h or + 1, word)
+                    for half in cutlass.range_constexpr(2):
+                        for kr in cutlass.range_constexpr(2):
+                            key = key0 + 16 * kk + 8 * half + 2 * tq + kr
+                            piece = gq ^ ((key & self.swizzle) * (128 // D))  # pieces of D / 8 bytes
+                            cute.autovec_copy(wv[stage, key, piece, None], vx[half, kr, None])
+                    for w in cutlass.range_constexpr(D // 32):  # word w: n-tiles 4 w .. 4 w + 3
+                        for half in cutlass.range_constexpr(2):
+                            lo = _prmt(vx[half, 0, w], vx[half, 1, w], 0x5140)
+                            hi = _prmt(vx[half, 0, w], vx[half, 1, w], 0x7362)
+                            vb[4 * w, half], vb[4 * w + 1, half] = _e4m3x4_to_f16x4(lo)
+                            vb[4 * w + 2, half], vb[4 * w + 3, half] = _e4m3x4_to_f16x4(hi)
                 for nt in cutlass.range_constexpr(NTILES):
                     col = nt * 8 + gq
                     bregs = cute.make_rmem_tensor((2,), Uint32)
                     for half in cutlass.range_constexpr(2):
-                        ka = key0 + 16 * kk + 2 * tq + 8 * half
-                        kb = ka + 1
-                        ea = vbase + ka * D + (((col // VEC) ^ (ka & self.swizzle)) * VEC) + col % VEC
-                        eb = vbase + kb * D + (((col // VEC) ^ (kb & self.swizzle)) * VEC) + col % VEC
                         if const_expr(self.fp8):
-                            pair = Uint16(Uint16(v8[ea]) | (Uint16(v8[eb]) << 8))
-                            bregs[half] = _e4m3x2_to_f16x2(pair)
+                            bregs[half] = vb[nt, half]
                         else:
+                            ka = key0 + 16 * kk + 2 * tq + 8 * half
+                            kb = ka + 1
+                            ea = vbase + ka * D + (((col // VEC) ^ (ka & self.swizzle)) * VEC) + col % VEC
+                            eb = vbase + kb * D + (((col // VEC) ^ (kb & self.swizzle)) * VEC) + col % VEC
                             bregs[half] = Uint32(v16[ea]) | (Uint32(v16[eb]) << 16)
                     out4 = _mma(pa0, pa1, pa2, pa3, bregs[0], bregs[1], acc[nt, 0], acc[nt, 1], acc[nt, 2],
                                 acc[nt, 3], bf16=BF)
@@ -257,7 +311,9 @@ class MmaSplitKernel(SplitKernel):
         red = cute.make_tensor(partials, cute.make_layout((WARPS, 16, D), stride=(16 * D, D, 1)))
         for nt in cutlass.range_constexpr(NTILES):
             for c in cutlass.range_constexpr(4):
-                red[warp, gq + 8 * (c // 2), nt * 8 + 2 * tq + c % 2] = acc[nt, c]
+                j = 2 * tq + c % 2  # the fragment's column of n-tile nt: value column (D/8) j + nt for fp8
+                col = NTILES * j + nt if const_expr(self.fp8) else nt * 8 + j
+                red[warp, gq + 8 * (c // 2), col] = acc[nt, c]
         cute.arch.barrier()
         part_o = cute.make_tensor(part_o_ptr, cute.make_layout((1 << 30,)))
         part_l = cute.make_tensor(part_l_ptr, cute.make_layout((1 << 30,)))
