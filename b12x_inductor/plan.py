@@ -134,13 +134,13 @@ class Plan:
         )
 
 
-def split_scratch_bytes(problem: Problem, num_splits: int, always: bool = False) -> int:
+def split_scratch_bytes(problem: Problem, num_splits: int) -> int:
     """Bytes of split-KV scratch: the splits' partial outputs [rows, Hq, splits, Dv] in out's dtype (q's), then
-    their fp32 LSEs [rows, Hq, splits] (none for one split, unless `always`: the CuTe family always writes
-    partials and merges). Each partial is normalized by its own row sum, a convex combination of V rows, so it
+    their fp32 LSEs [rows, Hq, splits] (none for one split: every family's split kernel then writes out and lse
+    itself). Each partial is normalized by its own row sum, a convex combination of V rows, so it
     fits out's dtype as out itself does; the merge adds them in fp32 (kernels/triton/__init__.py,
     split_partials, is the layout)."""
-    if num_splits <= 1 and not always:
+    if num_splits <= 1:
         return 0
     rows = problem.batch * problem.q_len * problem.num_q_heads * num_splits
     return partials_bytes(rows, problem.v_head_dim, problem.q_dtype)
@@ -206,13 +206,12 @@ def family_plan(problem: Problem, family: str, **tiles) -> Plan:
     return chosen.plan(problem, **tiles)
 
 
-def with_tiles(problem: Problem, plan: Plan, tiles: dict, *, always_split: bool = False) -> Plan:
-    """`plan` with `tiles` replacing its tile fields and its scratch sized for the split count they give
-    (`always_split`: the family writes split partials even for one split)."""
+def with_tiles(problem: Problem, plan: Plan, tiles: dict) -> Plan:
+    """`plan` with `tiles` replacing its tile fields and its scratch sized for the split count they give."""
     if not tiles:
         return plan
     plan = dataclasses.replace(plan, **tiles)
-    scratch = 0 if plan.mode == "extend" else split_scratch_bytes(problem, plan.num_splits, always=always_split)
+    scratch = 0 if plan.mode == "extend" else split_scratch_bytes(problem, plan.num_splits)
     return dataclasses.replace(plan, scratch_bytes=scratch)
 
 

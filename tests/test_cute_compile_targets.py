@@ -116,7 +116,8 @@ def test_narrow_cluster_compiles_for_sm90a(kv_dtype, q_len, heads, splits, monke
     assert cute.compile_kernel(p, plan, options) is not None
 
 
-@pytest.mark.parametrize("case", ["decode", "verify_fp8_features", "extend_sinks", "packed_kv_start", "mla_decode",
+@pytest.mark.parametrize("case", ["decode", "decode_splits_sinks", "verify_fp8_features", "extend_sinks",
+                                  "packed_kv_start", "mla_decode",
                                   "mla_verify_one_split", "mla_decode_q_pe", "mla_decode_narrow_fp8",
                                   "mla_decode_cluster", "mla_verify_seesaw_cluster",
                                   "mla_decode_narrow_fp8_cluster"])
@@ -171,7 +172,8 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
 
         monkeypatch.setattr(cute_plan, "MLA_NARROW_CLUSTER_SPLITS", 2)
     mla = dict(d=576, dv=512, hq=16, hkv=1, v_view=True)
-    kw = {"decode": dict(q_len=1), "verify_fp8_features": dict(q_len=4, kv_start=True, descale="bh", kv_dtype=F8),
+    kw = {"decode": dict(q_len=1), "decode_splits_sinks": dict(q_len=1, sinks=True, lens=[3000, 70]),
+          "verify_fp8_features": dict(q_len=4, kv_start=True, descale="bh", kv_dtype=F8),
           "extend_sinks": dict(q_len=40, sinks=True), "packed_kv_start": dict(packed=True, kv_start=True),
           "mla_decode": dict(mla, q_len=1, sinks=True, lens=[3000, 70]),
           "mla_verify_one_split": dict(mla, q_len=4, kv_start=True),
@@ -204,6 +206,7 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
                 "mla_decode_narrow_fp8_cluster": ["MlaNarrowKernel"],
                 "mla_decode_q_pe": ["MlaSplitKernel", "merge"], "mla_decode_cluster": ["MlaSplitKernel"],
                 "mla_verify_seesaw_cluster": ["MlaSeesawKernel"]}.get(
-        case, ["ExtendKernel"] if plan.mode == "extend" else ["SplitKernel", "merge"])
+        case, ["ExtendKernel"] if plan.mode == "extend" else ["SplitKernel"] + ["merge"] * (plan.num_splits > 1))
     assert launched == expected
+    assert case != "decode_splits_sinks" or plan.num_splits > 1, plan
     assert (plan.scratch_bytes == 0) == (launched[-1] != "merge"), plan  # a merge reads scratch, nothing else does

@@ -51,13 +51,18 @@ def test_cute_supports_table():
     assert not cute.supports(_problem(q_dtype=torch.float32, kv_dtype=torch.float32))
 
 
-def test_cute_family_plan_always_has_scratch():
+def test_cute_family_plan_scratch_only_for_splits():
+    """Several splits write partials into the plan's scratch; one split writes out and lse itself: no scratch."""
     from b12x_inductor.plan import family_plan, split_scratch_bytes
 
     p = _problem(batch=128, max_pages=64)
     plan = family_plan(p, "cute")
-    assert plan.family == "cute" and plan.block_m == 1 and plan.block_n == 64
-    assert plan.scratch_bytes == split_scratch_bytes(p, plan.num_splits, always=True) > 0
+    assert plan.family == "cute" and plan.block_m == 1 and plan.block_n == 64 and plan.num_splits == 1
+    assert plan.scratch_bytes == split_scratch_bytes(p, 1) == 0
+    few = _problem(batch=2, max_pages=512)
+    split = family_plan(few, "cute")
+    assert split.num_splits > 1 and split.scratch_bytes == split_scratch_bytes(few, split.num_splits) > 0
+    assert family_plan(p, "cute", num_splits=2).scratch_bytes > 0 == family_plan(p, "cute", num_splits=1).scratch_bytes
     assert family_plan(_problem(kv_dtype=F8), "cute").num_stages == 2
     extend = family_plan(_problem(q_len=64), "cute")
     assert (extend.mode, extend.num_splits, extend.block_m, extend.num_warps, extend.scratch_bytes) == (

@@ -8,8 +8,9 @@ over two 64-key tiles (mla_seesaw.py), or, for at most 16 query rows a request, 
 Optional: it needs nvidia-cutlass-dsl (`pip install b12x-inductor[cute]`); without it `available()` is False
 and every plan runs on Triton. `run` launches the plan's kernel on torch's current stream (a CuTe launch
 without an explicit stream is silently left out of a CUDA-graph capture): for decode/verify the split
-kernel and then the Triton merge kernel, which combines the splits with the sink into `out` and `lse` (the
-MLA kernel with one split writes them itself); for extend one kernel that writes `out` and `lse`. It writes
+kernel and then the Triton merge kernel, which combines the splits with the sink into `out` and `lse` (a
+split kernel with one split writes them itself, as the MLA kernel does with splits merged in their cluster); for
+extend one kernel that writes `out` and `lse`. It writes
 only out, lse and the plan's scratch, allocates nothing and never syncs. `precompile` compiles the kernel for
 a plan ahead (in memory, and in the DSL's own file cache on disk), so no compile ever happens inside a capture.
 
@@ -256,7 +257,7 @@ def _compiled(key):
 
     pointers = dict(q_ptr=ptr(qt, q_dtype.itemsize), k_ptr=ptr(kvt, 16), v_ptr=ptr(kvt, 16), pt_ptr=ptr(Int32),
                     seqlens_ptr=ptr(Int32), kv_start_ptr=ptr(Int32), kds_ptr=ptr(Float32), vds_ptr=ptr(Float32),
-                    part_o_ptr=ptr(qt, q_dtype.itemsize), part_l_ptr=ptr(Float32))
+                    part_o_ptr=ptr(qt, q_dtype.itemsize), part_l_ptr=ptr(Float32), sinks_ptr=ptr(Float32))
     return cute.compile(kernel, *_fake_args(type(kernel), pointers))
 
 
@@ -458,7 +459,7 @@ def _ptr(t: torch.Tensor, align: int, dtype=None):
 def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
     """Runs one plan. Extend: the extend kernel writes `out` and `lse`. Decode/verify: the split kernel writes
     each split's partials into `scratch`, the Triton merge kernel combines them (with the sink) into `out`
-    and `lse`."""
+    and `lse`; with one split the split kernel writes `out` and `lse` itself (out is contiguous: validate)."""
     if mode == "extend":
         _run_extend(tensors, out=out, lse=lse, options=options, plan=plan)
         return
@@ -480,8 +481,8 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     _check_aligned("v_cache", v_cache, d)
     compiled = _compiled(_key(shapes, plan, options))
     splits = plan["num_splits"]
-    rows = batch * s * hq * splits
-    part_o, part_l = split_partials(scratch, rows, d, out.dtype)
+    part_o, part_l = (out, lse) if splits == 1 else split_partials(scratch, batch * s * hq * splits, d, out.dtype)
+    sinks = tensors["sinks"]
     kp, ko, kh = _cache_strides(k_cache.stride(), layout)
     vp, vo, vh = _cache_strides(v_cache.stride(), layout)
     kds, kds_b, kds_h, has_kds = _descale(tensors["k_descale"], lse)
@@ -499,17 +500,18 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
             kv_start_ptr=_ptr(kv_start if kv_start is not None else lse, 4, torch.int32),
             kds_ptr=_ptr(kds, 4, torch.float32), vds_ptr=_ptr(vds, 4, torch.float32),
             part_o_ptr=_ptr(part_o, part_o.element_size()),
-            part_l_ptr=_ptr(part_l, 4), batch=Int32(batch),
+            part_l_ptr=_ptr(part_l, 4), sinks_ptr=_ptr(sinks if sinks is not None else lse, 4, torch.float32),
+            has_sinks=Int32(sinks is not None), batch=Int32(batch),
             **_strides(q.stride()[:3], (kp, ko, kh), (vp, vo, vh), pt.stride(0)),
             kds_b=Int32(kds_b), kds_h=Int32(kds_h), vds_b=Int32(vds_b), vds_h=Int32(vds_h),
             has_kv_start=Int32(kv_start is not None), has_kds=Int32(has_kds), has_vds=Int32(has_vds),
             window_left=Int32(max(window, 0)), sm_scale=Float32(float(options["scale"])),
             softcap=Float32(softcap if softcap > 0 else 1.0), k_pages=Int32(k_cache.shape[0]),
             v_pages=Int32(v_cache.shape[0]), max_pages=Int32(pt.shape[1]), stream=stream)))
-        sinks = tensors["sinks"]
-        grid, merge = triton_decode.merge_launch(batch * s * hq, hq, v_cache.shape[-1], splits)
-        triton_decode.merge_kernel[grid](
-            part_o, part_l, sinks if sinks is not None else lse, out, lse, int(sinks is not None), **merge)
+        if splits > 1:
+            grid, merge = triton_decode.merge_launch(batch * s * hq, hq, v_cache.shape[-1], splits)
+            triton_decode.merge_kernel[grid](
+                part_o, part_l, sinks if sinks is not None else lse, out, lse, int(sinks is not None), **merge)
 
 
 def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
@@ -585,7 +587,8 @@ def precompile(problem, plan, options) -> None:
     if plan.family != "cute" or problem.device_type != "cuda":
         return
     compile_kernel(problem, plan, options)
-    if plan.mode != "extend" and not (plan.v_from_k and _plan.mla_writes_out(plan.num_splits, plan.block_m)):
+    if plan.mode != "extend" and plan.num_splits > 1 and not (
+            plan.v_from_k and _plan.mla_writes_out(plan.num_splits, plan.block_m)):
         _precompile_merge(problem, plan.num_splits)
 
 

@@ -27,7 +27,8 @@ kernels/cute/__init__.py. Per tile of TN keys:
 
 Every CTA writes its normalized partial output and log2-sum-exp in the layout of the Triton family's
 scratch ([rows, splits, D] and [rows, splits]); the Triton merge kernel then combines the splits with the
-sink and writes `out` and `lse` (also for one split), so both families share one merge.
+sink and writes `out` and `lse`, so both families share one merge. With one split the CTA writes `out` and
+`lse` itself, the sink folded in as the merge folds it (`_emit`, common.output_factor), and no merge runs.
 
 The split's key range is computed on the device from the live length, exactly as in the Triton kernel, so
 one compiled kernel serves every length (lengths, kv_start and page ids clamped as the Triton kernels clamp
@@ -46,7 +47,8 @@ from cutlass.cute.nvgpu import cpasync
 
 from b12x_inductor.kernels.cute import KEYS_PER_THREAD, geometry, tma, tma_box
 
-from b12x_inductor.kernels.cute.common import NEG_BIG, PageRow, live_range, logit, scales, split_keys, visible
+from b12x_inductor.kernels.cute.common import (NEG_BIG, PageRow, live_range, logit, output_factor, scales,
+                                               split_keys, visible)
 
 
 class SplitKernel:
@@ -72,11 +74,11 @@ class SplitKernel:
     def __call__(
         self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer,
         seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, kds_ptr: cute.Pointer, vds_ptr: cute.Pointer,
-        part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
+        part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer, sinks_ptr: cute.Pointer,
         batch: Int32, q_sb: Int64, q_ss: Int64, q_sh: Int64, k_sp: Int64, k_so: Int64, k_sh: Int64,
         v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
         kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
-        has_kv_start: Int32, has_kds: Int32, has_vds: Int32,
+        has_kv_start: Int32, has_kds: Int32, has_vds: Int32, has_sinks: Int32,
         window_left: Int32, sm_scale: Float32, softcap: Float32, k_pages: Int32, v_pages: Int32, max_pages: Int32,
         stream,
     ):
@@ -87,8 +89,8 @@ class SplitKernel:
             tma_v, m_v = tma.cache_tma(v_ptr, v_pages, v_sp, v_so, v_sh, **geo)
         self.kernel(
             q_ptr, k_ptr, v_ptr, pt_ptr, seqlens_ptr, kv_start_ptr, kds_ptr, vds_ptr, part_o_ptr, part_l_ptr,
-            q_sb, q_ss, q_sh, k_sp, k_so, k_sh, v_sp, v_so, v_sh, pt_sb, kds_b, kds_h, vds_b, vds_h,
-            has_kv_start, has_kds, has_vds, window_left, sm_scale, softcap, max_pages * self.page, k_pages,
+            sinks_ptr, q_sb, q_ss, q_sh, k_sp, k_so, k_sh, v_sp, v_so, v_sh, pt_sb, kds_b, kds_h, vds_b, vds_h,
+            has_kv_start, has_kds, has_vds, has_sinks, window_left, sm_scale, softcap, max_pages * self.page, k_pages,
             tma_k, m_k, tma_v, m_v,
         ).launch(grid=(self.num_splits, self.hkv, batch), block=(self.threads, 1, 1), smem=self.smem_bytes,
                  stream=stream)
@@ -245,11 +247,11 @@ class SplitKernel:
     def kernel(
         self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer,
         seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, kds_ptr: cute.Pointer, vds_ptr: cute.Pointer,
-        part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
+        part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer, sinks_ptr: cute.Pointer,
         q_sb: Int64, q_ss: Int64, q_sh: Int64, k_sp: Int64, k_so: Int64, k_sh: Int64,
         v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
         kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
-        has_kv_start: Int32, has_kds: Int32, has_vds: Int32,
+        has_kv_start: Int32, has_kds: Int32, has_vds: Int32, has_sinks: Int32,
         window_left: Int32, sm_scale: Float32, softcap: Float32, cap: Int32, num_pages: Int32, tma_k, m_k, tma_v,
         m_v,
     ):
@@ -412,23 +414,20 @@ class SplitKernel:
         cute.arch.barrier()
 
         self._write_partials(acc, m_run, l_run, sM, sL, storage.ring.partials.data_ptr(), part_o_ptr, part_l_ptr,
-                             v_scale, tidx, kp, cg, b, h, split)
+                             sinks_ptr, has_sinks, v_scale, tidx, kp, cg, b, h, split)
 
     @cute.jit
     def _write_partials(self, acc: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, sM: cute.Tensor,
                         sL: cute.Tensor, partials: cute.Pointer, part_o_ptr: cute.Pointer,
-                        part_l_ptr: cute.Pointer, v_scale: Float32, tidx: Int32, kp: Int32, cg: Int32, b: Int32,
-                        h: Int32, split: Int32):
-        """The split's epilogue: the key parts of P V added up (in `partials`, the ring reused), each row
-        normalized by its sum, and its partial output and log2-sum-exp written where the merge kernel reads
-        them."""
+                        part_l_ptr: cute.Pointer, sinks_ptr: cute.Pointer, has_sinks: Int32, v_scale: Float32,
+                        tidx: Int32, kp: Int32, cg: Int32, b: Int32, h: Int32, split: Int32):
+        """The split's epilogue: the key parts of P V added up (in `partials`, the ring reused) and each row's
+        elements written by `_emit`."""
         warp = tidx // 32
         lane = tidx % 32
         THREADS = const_expr(self.threads)
         WARPS = const_expr(self.warps)
         D = const_expr(self.d)
-        S = const_expr(self.s)
-        G = const_expr(self.g)
         R = const_expr(self.rows)
         CPT = const_expr(self.cpt)
         KP = const_expr(self.key_parts)
@@ -453,15 +452,23 @@ class SplitKernel:
                 total = Float32(0.0)
                 for p in cutlass.range_constexpr(KP):
                     total = total + red[p, r, col]
-                l_r = sL[r]
-                o = Float32(0.0)
-                if l_r > Float32(0.0):
-                    o = total * (v_scale / l_r)
-                out_row = Int64((b * S + r // G) * (self.hkv * G) + h * G + r % G)
-                part = out_row * self.num_splits + Int64(split)
-                part_o[part * D + Int64(col)] = o.to(self.q_dtype)
-                if col == 0:
-                    lse = Float32(-math.inf)
-                    if l_r > Float32(0.0):
-                        lse = sM[r] + cute.math.log2(l_r)
-                    part_l[part] = lse
+                self._emit(part_o, part_l, sinks_ptr, has_sinks, v_scale, b, h, split, r, col, total, sM[r], sL[r])
+
+    @cute.jit
+    def _emit(self, part_o: cute.Tensor, part_l: cute.Tensor, sinks_ptr: cute.Pointer, has_sinks: Int32,
+              v_scale: Float32, b: Int32, h: Int32, split: Int32, r: Int32, col: Int32, total: Float32, m: Float32,
+              l_r: Float32):
+        """One element of a row whose unnormalized output is `total`, running max m and sum l_r (log2 domain),
+        and (column 0) the row's LSE, at row (b * S + token) * Hq + head: with several splits the split's
+        normalized partial and log2-sum-exp, in the layout of the Triton merge kernel (then split); with one
+        split `out` and `lse` themselves (part_o, part_l are they), the head's sink folded in as the merge
+        folds it and the LSE in natural log (common.output_factor)."""
+        D = const_expr(self.d)
+        G = const_expr(self.g)
+        f, lse = output_factor(m, l_r, Float32(1.0), sinks_ptr, has_sinks, h * G + r % G, v_scale,
+                               self.num_splits == 1)
+        out_row = Int64((b * self.s + r // G) * (self.hkv * G) + h * G + r % G)
+        part = out_row * self.num_splits + Int64(split)
+        part_o[part * D + Int64(col)] = (total * f).to(self.q_dtype)
+        if col == 0:
+            part_l[part] = lse

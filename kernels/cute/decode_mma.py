@@ -53,31 +53,15 @@ class MmaSplitKernel(SplitKernel):
         self.fp8 = self.kv_dtype.width == 8
         self.bf16_ops = (not self.fp8) and self.q_dtype is cutlass.BFloat16
 
-    @cute.jit
-    def _store(self, part_o: cute.Tensor, part_l: cute.Tensor, b: Int32, h: Int32, split: Int32, r: Int32,
-               col: Int32, o: Float32, m: Float32, l_r: Float32):
-        """One element of the split's normalized partial output, and (column 0) the row's log2-sum-exp, in the
-        layout of the Triton merge kernel: row (b * S + token) * Hq + head, then split."""
-        D = const_expr(self.d)
-        G = const_expr(self.g)
-        out_row = Int64((b * self.s + r // G) * (self.hkv * G) + h * G + r % G)
-        part = out_row * self.num_splits + Int64(split)
-        part_o[part * D + Int64(col)] = o.to(self.q_dtype)
-        if col == 0:
-            lse = Float32(-math.inf)
-            if l_r > Float32(0.0):
-                lse = m + cute.math.log2(l_r)
-            part_l[part] = lse
-
     @cute.kernel
     def kernel(
         self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer,
         seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, kds_ptr: cute.Pointer, vds_ptr: cute.Pointer,
-        part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
+        part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer, sinks_ptr: cute.Pointer,
         q_sb: Int64, q_ss: Int64, q_sh: Int64, k_sp: Int64, k_so: Int64, k_sh: Int64,
         v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
         kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,
-        has_kv_start: Int32, has_kds: Int32, has_vds: Int32,
+        has_kv_start: Int32, has_kds: Int32, has_vds: Int32, has_sinks: Int32,
         window_left: Int32, sm_scale: Float32, softcap: Float32, cap: Int32, num_pages: Int32, tma_k, m_k, tma_v,
         m_v,
     ):
@@ -283,15 +267,15 @@ class MmaSplitKernel(SplitKernel):
         cute.arch.barrier()
 
         self._merge_warps(acc, m_run, l_run, sM, sL, storage.ring.partials.data_ptr(), part_o_ptr, part_l_ptr,
-                          v_scale, tidx, b, h, split)
+                          sinks_ptr, has_sinks, v_scale, tidx, b, h, split)
 
     @cute.jit
     def _merge_warps(self, acc: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, sM: cute.Tensor,
                      sL: cute.Tensor, partials: cute.Pointer, part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer,
-                     v_scale: Float32, tidx: Int32, b: Int32, h: Int32, split: Int32):
+                     sinks_ptr: cute.Pointer, has_sinks: Int32, v_scale: Float32, tidx: Int32, b: Int32, h: Int32,
+                     split: Int32):
         """The split's epilogue: the warps' row stats and partial outputs merged through shared memory (the
-        partial outputs in `partials`, the K/V ring reused), each row normalized, and the split's partials
-        written for the merge kernel."""
+        partial outputs in `partials`, the K/V ring reused) and each row's elements written by `_emit`."""
         warp = tidx // 32
         lane = tidx % 32
         gq = lane // 4
@@ -331,7 +315,4 @@ class MmaSplitKernel(SplitKernel):
                     f = cute.arch.exp2(sM[w, r] - m)
                     total = total + red[w, r, col] * f
                     l_r = l_r + sL[w, r] * f
-                o = Float32(0.0)
-                if l_r > Float32(0.0):
-                    o = total * (v_scale / l_r)
-                self._store(part_o, part_l, b, h, split, r, col, o, m, l_r)
+                self._emit(part_o, part_l, sinks_ptr, has_sinks, v_scale, b, h, split, r, col, total, m, l_r)

@@ -66,7 +66,7 @@ def plan(problem: Problem, **tiles) -> Plan:
     if "v_from_k" in tiles and bool(tiles["v_from_k"]) != mla:
         raise ValueError("paged_attention: the cute family's MLA kernel reads V from K's tiles, its other kernels "
                          f"load V themselves; v_from_k={tiles['v_from_k']} is the Triton family's")
-    out = with_tiles(problem, _plan(problem), tiles, always_split=not mla)
+    out = with_tiles(problem, _plan(problem), tiles)
     if mla and mla_writes_out(out.num_splits, out.block_m):  # no partials, so no scratch
         out = dataclasses.replace(out, scratch_bytes=0)
     if problem.mode == "extend":
@@ -117,9 +117,9 @@ def _plan(problem: Problem) -> Plan:
     if (problem.mode == "decode" and problem.kv_dtype == FP8 and problem.head_dim <= 128
             and problem.kv_span // splits >= MMA_MIN_SPLIT_KEYS):
         tile = MMA_TILE
-    # the split kernel always writes partials and the merge kernel combines them, even for one split
+    # several splits write partials for the merge kernel; one split writes out and lse itself (no scratch)
     return Plan(mode=problem.mode, family="cute", num_splits=splits, **tile,
-                scratch_bytes=split_scratch_bytes(problem, splits, always=True))
+                scratch_bytes=split_scratch_bytes(problem, splits))
 
 
 def extend_rows_fit(block_m: int, head_dim: int) -> bool:
