@@ -232,11 +232,11 @@ spark extend fp8 1x16384     extend  triton splits=1   m=128 n=128 warps=8 stage
         with mock.patch.object(cute, "available", lambda: True):
             self.assertExpectedInline(table_cute(), """\
 fp8 decode 1x32768           decode  cute   splits=64  m=1   n=64  warps=4 stages=2 scratch=532480
-fp8 decode 8x8192            decode  cute   splits=16  m=1   n=64  warps=4 stages=2 scratch=1064960
-fp8 decode 32x4096           decode  cute   splits=4   m=16  n=128 warps=4 stages=2 scratch=1064960
-fp8 decode 64x2048           decode  cute   splits=2   m=16  n=128 warps=4 stages=2 scratch=1064960
+fp8 decode 8x8192            decode  cute   splits=8   m=1   n=64  warps=4 stages=2 scratch=532480
+fp8 decode 32x4096           decode  cute   splits=1   m=16  n=128 warps=4 stages=2 scratch=0
+fp8 decode 64x2048           decode  cute   splits=1   m=16  n=128 warps=4 stages=2 scratch=0
 fp8 decode 128x1024          decode  cute   splits=1   m=16  n=128 warps=4 stages=2 scratch=0
-fp8 decode 16x16384          decode  cute   splits=8   m=16  n=128 warps=4 stages=2 scratch=1064960
+fp8 decode 16x16384          decode  cute   splits=2   m=16  n=128 warps=4 stages=2 scratch=266240
 fp8 decode D=64 HND p=1      decode  triton splits=2   m=16  n=128 warps=4 stages=3 scratch=67584
 fp8 decode D=96              decode  triton splits=4   m=16  n=128 warps=4 stages=3 scratch=200704
 fp8 decode G=8               decode  triton splits=4   m=16  n=128 warps=4 stages=3 scratch=532480
