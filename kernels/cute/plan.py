@@ -129,7 +129,8 @@ def decode_tile(problem: Problem) -> tuple[int, dict]:
     about four CTAs an SM (CUTE_SPLITS). Float8 on the H100 (h200.md, "Session 66"): 32x4096 unsplit 95.7 us
     against 106.5 at 4 splits; 16x16384 at 2 splits 185.7 against 191.1 at 8 and 202.0 at 4; 8x8192 on decode.py
     at 8 splits 52.6 against 54.5 for 4 tensor-core splits and 62.4 for decode.py at 16; decode.py also ahead
-    where few requests cannot make two tensor-core CTAs an SM (1x2048, 1x8192, 4x4096, 8x2048: 1.09-1.69x)."""
+    where few requests cannot make two tensor-core CTAs an SM (1x2048, 1x8192, 4x4096, 8x2048: 1.02-1.10x the
+    fastest tensor-core split count measured)."""
     programs = problem.batch * problem.num_kv_heads
     if problem.mode == "decode" and problem.kv_dtype == FP8 and problem.head_dim <= 128:
         splits = split_count(problem, programs, **MMA_SPLITS)
