@@ -86,6 +86,8 @@ def test_dry_run_main(cpu_bench, tmp_path):
     expected = [r.label for r in kernels.build_rows(["models", "verify"], sizes=(2, 256))]
     assert list(rows) == expected and "verify 2x256" in rows and "gpt-oss swa128 decode 2x256" in rows
     assert len(expected) == 10  # the model rows' sizes collapse onto 2x256: one row per model shape and mode
+    sweep = [r.label for r in kernels.build_rows(["decode", "fp8"], sizes=[(2, 256), (3, 128)])]  # --sizes a,b
+    assert sweep == ["decode 2x256", "decode-fp8 2x256", "decode 3x128", "decode-fp8 3x128"], sweep
     for label, r in rows.items():
         ours = r["impls"]["b12x"]
         assert ours["us"] > 0 and ours["max_err"] < 0.05 and ours["method"] == "wall (cpu dry run)", label

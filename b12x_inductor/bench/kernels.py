@@ -38,8 +38,8 @@ Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8
 --peers sdpa,flex,flashinfer (default all importable), --families triton,cute (each family's own plan side by
 side), --variants (tuning: other plan constants), --head-dim (D of the default rows, default 128), --page-size
 (keys per page of every row, default 16), --extend-rows (other default extend rows, 'BxL[:S],...': S new tokens
-on L keys, a chunked prefill when S < L), --sizes BxL (dry run: every row that size, duplicates dropped),
---flex-rows (only these row labels get FlexAttention), --packed (extend rows also time "b12x-packed": the op on q
+on L keys, a chunked prefill when S < L), --sizes BxL[,BxL...] (a dry run or a sweep: every row at each size,
+duplicates dropped), --flex-rows (only these row labels get FlexAttention), --packed (extend rows also time "b12x-packed": the op on q
 packed [B x S, Hq, D] with cu_seqlens_q, as the serving engine calls extend), --packed-batch M (implies --packed:
 cu_seqlens_q, the page table and the lengths of b12x-packed padded to M requests, as the serving engine pads them
 to its max_batch; the requests past B have no new tokens and no keys), --tag (JSON/PNG name; default the device's:
@@ -144,8 +144,8 @@ MODELS = tuple(dict.fromkeys(tag.split()[0] for tag, *_ in MODEL_ROWS))  # --mod
 
 def build_rows(groups, default_shape=DEFAULT_SHAPE, extend_rows=None, sizes=None, page=None, models=None):
     """The rows of the --rows groups, in table order. extend_rows: the default extend rows [(B, L, S)];
-    page: the page size of every row (default: each shape's); sizes (B, L): every row that size (a dry run),
-    rows that become identical kept once; models: the model rows (models, nosinks) of these models only
+    page: the page size of every row (default: each shape's); sizes [(B, L), ...] (or one (B, L)): every row at
+    each of these sizes in turn (a dry run, or a sweep), rows that become identical kept once; models: the model rows (models, nosinks) of these models only
     (names in MODELS; default all)."""
     groups = [g for g in groups if g]
     unknown = sorted(set(groups) - set(ROW_GROUPS))
@@ -177,9 +177,9 @@ def build_rows(groups, default_shape=DEFAULT_SHAPE, extend_rows=None, sizes=None
     if page is not None:
         rows = [dataclasses.replace(r, shape=dataclasses.replace(r.shape, page=page)) for r in rows]
     if sizes:
-        b0, n0 = sizes
+        sizes = [sizes] if isinstance(sizes[0], int) else sizes
         rows = [dataclasses.replace(r, batch=b0, length=n0, q_len=n0 if r.mode == "extend" else r.q_len)
-                for r in rows]
+                for b0, n0 in sizes for r in rows]
         seen, unique = set(), []
         for r in rows:
             if (r.label, r.shape) not in seen:
@@ -799,7 +799,8 @@ def main(argv) -> None:
                     "and b12x-packed-<variant> beside --families' and --variants' rows)")
     ap.add_argument("--packed-batch", type=int, default=0, help="implies --packed: b12x-packed's cu_seqlens_q, "
                     "page table and lengths padded to this many requests (the serving engine's max_batch)")
-    ap.add_argument("--sizes", default="", help="dry run: B x L overrides, e.g. 2x64 (all rows that size)")
+    ap.add_argument("--sizes", default="", help="dry run or sweep: B x L overrides, e.g. 2x64 or "
+                    "128x1024,160x1024 (all rows at each size)")
     args = ap.parse_args(argv)
     globals()["PROFILE"] = args.profile
     default_shape = dataclasses.replace(DEFAULT_SHAPE, d=args.head_dim, page=args.page_size)
@@ -810,7 +811,7 @@ def main(argv) -> None:
             size, _, new = x.partition(":")
             b, n = (int(y) for y in size.split("x"))
             extend_rows.append((b, n, int(new) if new else n))
-    sizes = tuple(int(x) for x in args.sizes.split("x")) if args.sizes else None
+    sizes = [tuple(int(x) for x in size.split("x")) for size in args.sizes.split(",") if size] or None
     try:
         todo = build_rows(args.rows.split(","), default_shape, extend_rows, sizes, page=args.page_size,
                           models=[m for m in args.models.split(",") if m])

@@ -28,8 +28,8 @@ copy bandwidth, argv, rows) to DIR/mla_<tag>.json.
 
 Options: --heads (comma list, default 128,16), --rows decode,verify,fp8 (default all), --page-size (keys per
 page, default 64; L must be a multiple), --peers flashinfer (default; '' for b12x alone), --out DIR (default
-benchmarks/results), --tag (default the device's: h200, h100, ...), --sizes BxL (dry run: every row at that
-size, duplicates dropped, e.g. 2x128), --variants (tuning: '[family:]splits:block_n:stages:warps[:block_m][:vk],...' (vk: V's tile
+benchmarks/results), --tag (default the device's: h200, h100, ...), --sizes BxL[,BxL...] (a dry run or a
+sweep: every row at each size, duplicates dropped, e.g. 2x128), --variants (tuning: '[family:]splits:block_n:stages:warps[:block_m][:vk],...' (vk: V's tile
 taken from K's, plan.v_from_k), family default
 triton, 0 keeps the plan's value: that family's plan through plan.family_plan, as bench/kernels.py's
 b12x_call, on q_nope and q_pe as mla_attention passes them, without its checks), --warm-peers (JIT-build FlashInfer's MLA modules
@@ -417,8 +417,8 @@ def markdown(results, skipped):
 
 
 def todo_rows(rows, heads, sizes=""):
-    """[(mode, B, L, S, H, kv dtype)] in table order; with sizes 'BxL' every row at that size, duplicates
-    dropped."""
+    """[(mode, B, L, S, H, kv dtype)] in table order; with sizes 'BxL[,BxL...]' every row at each size in turn,
+    duplicates dropped."""
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     todo = []
     for h in heads:
@@ -430,8 +430,8 @@ def todo_rows(rows, heads, sizes=""):
         for h in ([FP8_HEADS] if FP8_HEADS in heads else heads):
             todo += [("decode", b, n, 1, h, fp8) for b, n in FP8_ROWS]
     if sizes:
-        b0, n0 = (int(x) for x in sizes.split("x"))
-        todo = list(dict.fromkeys((m, b0, n0, s, h, dt) for m, b, n, s, h, dt in todo))
+        pairs = [tuple(int(x) for x in size.split("x")) for size in sizes.split(",") if size]
+        todo = list(dict.fromkeys((m, b0, n0, s, h, dt) for b0, n0 in pairs for m, b, n, s, h, dt in todo))
     return todo
 
 
@@ -445,7 +445,8 @@ def main(argv) -> None:
     ap.add_argument("--page-size", type=int, default=PAGE, help="keys per page (default 64; L must be a "
                     "multiple)")
     ap.add_argument("--peers", default="flashinfer", help="'flashinfer' (its fa2 and fa3 backends) or ''")
-    ap.add_argument("--sizes", default="", help="dry run: B x L of every row, e.g. 2x128")
+    ap.add_argument("--sizes", default="", help="dry run or sweep: B x L of every row, e.g. 2x128 or "
+                    "32x4096,64x2048 (every row at each size)")
     ap.add_argument("--variants", default="", help="tuning: also time plan variants '[family:]splits:block_n:"
                     "stages:warps[:block_m],...' (family default triton; 0 keeps the plan's value)")
     ap.add_argument("--warm-peers", action="store_true", help="JIT-build FlashInfer's MLA modules, then exit")
