@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from b12x_inductor.bench import kernels
+from b12x_inductor.bench import kernels, parse_sizes
+from b12x_inductor.bench import mla as mla_bench
 
 # the default groups' labels as every earlier run printed them (benchmarks/results/kernels_h200.json)
 DEFAULT_LABELS = [
@@ -86,8 +87,15 @@ def test_dry_run_main(cpu_bench, tmp_path):
     expected = [r.label for r in kernels.build_rows(["models", "verify"], sizes=(2, 256))]
     assert list(rows) == expected and "verify 2x256" in rows and "gpt-oss swa128 decode 2x256" in rows
     assert len(expected) == 10  # the model rows' sizes collapse onto 2x256: one row per model shape and mode
-    sweep = [r.label for r in kernels.build_rows(["decode", "fp8"], sizes=[(2, 256), (3, 128)])]  # --sizes a,b
+    sweep = [r.label for r in kernels.build_rows(["decode", "fp8"], sizes=parse_sizes("2x256,3x128"))]
     assert sweep == ["decode 2x256", "decode-fp8 2x256", "decode 3x128", "decode-fp8 3x128"], sweep
+    for bad in ("2x", "2x256,3", "0x64", "2x64x1", "ax64"):  # a bad --sizes names the option, kernels and mla
+        with pytest.raises(ValueError, match="--sizes: expected BxL"):
+            parse_sizes(bad)
+        with pytest.raises(SystemExit, match="--sizes"):
+            cpu_bench.main(["--sizes", bad, "--out", str(tmp_path)])
+        with pytest.raises(SystemExit, match="--sizes"):
+            mla_bench.main(["--sizes", bad, "--out", str(tmp_path)])
     for label, r in rows.items():
         ours = r["impls"]["b12x"]
         assert ours["us"] > 0 and ours["max_err"] < 0.05 and ours["method"] == "wall (cpu dry run)", label

@@ -23,3 +23,14 @@ def device_tag(name: str) -> str:
         if gpu in low:
             return gpu
     return re.sub(r"[^a-z0-9]+", "-", low).strip("-") or "device"
+
+
+def parse_sizes(text: str, option: str = "--sizes") -> list[tuple[int, int]]:
+    """'BxL[,BxL...]' as [(B, L), ...] (empty text: []); anything else raises a ValueError naming the option."""
+    sizes = []
+    for size in (x for x in text.split(",") if x):
+        parts = size.split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"{option}: expected BxL[,BxL...] with positive integers, e.g. 2x128; got {text!r}")
+        sizes.append((int(parts[0]), int(parts[1])))
+    return sizes

@@ -64,7 +64,7 @@ import time
 
 import torch
 
-from b12x_inductor.bench import device_tag
+from b12x_inductor.bench import device_tag, parse_sizes
 
 L2_BYTES = 60 * 2**20
 MAX_SETS = 64  # rotating input sets per row, at most (a windowed row touches little of each set)
@@ -811,8 +811,8 @@ def main(argv) -> None:
             size, _, new = x.partition(":")
             b, n = (int(y) for y in size.split("x"))
             extend_rows.append((b, n, int(new) if new else n))
-    sizes = [tuple(int(x) for x in size.split("x")) for size in args.sizes.split(",") if size] or None
     try:
+        sizes = parse_sizes(args.sizes) or None
         todo = build_rows(args.rows.split(","), default_shape, extend_rows, sizes, page=args.page_size,
                           models=[m for m in args.models.split(",") if m])
     except ValueError as e:

@@ -50,7 +50,7 @@ import time
 
 import torch
 
-from b12x_inductor.bench import device_tag, kernels
+from b12x_inductor.bench import device_tag, kernels, parse_sizes
 from b12x_inductor.bench.kernels import L2_BYTES, copy_bandwidth, log, reference_check, time_graph
 
 RANK, ROPE = 512, 64  # kv_lora_rank (the values, out's width) and the rope key: 576 values a token
@@ -430,8 +430,8 @@ def todo_rows(rows, heads, sizes=""):
         for h in ([FP8_HEADS] if FP8_HEADS in heads else heads):
             todo += [("decode", b, n, 1, h, fp8) for b, n in FP8_ROWS]
     if sizes:
-        pairs = [tuple(int(x) for x in size.split("x")) for size in sizes.split(",") if size]
-        todo = list(dict.fromkeys((m, b0, n0, s, h, dt) for b0, n0 in pairs for m, b, n, s, h, dt in todo))
+        todo = list(dict.fromkeys((m, b0, n0, s, h, dt) for b0, n0 in parse_sizes(sizes)
+                                  for m, b, n, s, h, dt in todo))
     return todo
 
 
@@ -454,6 +454,10 @@ def main(argv) -> None:
     globals()["PAGE"] = args.page_size
     heads = [int(h) for h in args.heads.split(",") if h]
     rows = set(r for r in args.rows.split(",") if r)
+    try:
+        parse_sizes(args.sizes)
+    except ValueError as e:
+        sys.exit(f"b12x_inductor.bench mla: {e}")
     if _device() == "cuda" and not torch.cuda.is_available():
         sys.exit("b12x_inductor.bench mla: needs a CUDA GPU (B12X_BENCH_DEVICE=cpu: a dry run)")
     peers = set(p for p in args.peers.split(",") if p)
