@@ -3,8 +3,8 @@ bindings (`cutlass._mlir`). Each helper is a `dsl_user_op` that emits one instru
 
 - `mma_m16n8k16`: mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32
 - `pack2`: cvt.rn.{bf16x2,f16x2}.f32 (two fp32 into one register)
-- `e4m3x2_to_f16x2`: cvt.rn.f16x2.e4m3x2 (two float8_e4m3 into two fp16, sm89+)
-- `e4m3x4_to_f16x4`: the same for the two halves of a 32-bit word (a mov and two cvt)
+- `e4m3x4_to_f16x4`: cvt.rn.f16x2.e4m3x2 on the two halves of a 32-bit word (four float8_e4m3 into four fp16,
+  sm89+; a mov and two cvt)
 - `prmt`: prmt.b32 (four bytes picked from two words)
 - `ld_dsmem_f32`, `ld_dsmem_v4`: mapa.shared::cluster then ld.shared::cluster (a cluster peer's shared memory at
   this CTA's address of the same object; the DSL's distributed-shared-memory tensors take no loads)
@@ -12,7 +12,7 @@ bindings (`cutlass._mlir`). Each helper is a `dsl_user_op` that emits one instru
 
 from __future__ import annotations
 
-from cutlass import Float32, Uint16, Uint32
+from cutlass import Float32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -43,14 +43,6 @@ def pack2(lo, hi, *, bf16: bool, loc=None, ip=None):
     return Uint32(llvm.inline_asm(
         T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
         f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def e4m3x2_to_f16x2(x, *, loc=None, ip=None):
-    """Two float8_e4m3 values in a 16-bit word -> two fp16 in one register (order kept)."""
-    return Uint32(llvm.inline_asm(
-        T.i32(), [Uint16(x).ir_value(loc=loc, ip=ip)], "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h",
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
