@@ -99,6 +99,7 @@ from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, emp
 from b12x_inductor.kernels.cute.ptx import mbarrier_arrive_if, pack2
 from b12x_inductor.kernels.cute.softmax import RESCALE_LOG2, online_softmax
 from b12x_inductor.kernels.cute.softmax import moved as _moved
+from b12x_inductor.kernels.cute.softmax import scale_rows as _scale_rows
 
 # (producer, consumer) registers after setmaxnreg by consumer warpgroups: 128 x 64 + 256 x 216 and
 # 128 x 32 + 384 x 160 fit the 65536 of an SM (three consumers, as FlashAttention-3's 192-row tile at D 64)
@@ -782,8 +783,7 @@ class ExtendKernel:
         """O times alpha (its rows to the new running max), and P (the softmaxed score tile) to 16 bits, the A
         registers of the next P V. Only once the P V in flight is done: it reads both."""
         if _moved(alpha):
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] = acc_o[i] * alpha[(i // 2) % 2]
+            _scale_rows(acc_o, alpha)
         r_p.store(acc_s.load().to(self.dtype))
 
     @cute.jit

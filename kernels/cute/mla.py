@@ -82,6 +82,7 @@ from b12x_inductor.kernels.cute.plan import MLA_FP8_LAG as FP8_LAG  # float8 til
 from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, ld_dsmem_f32, ld_dsmem_v4, pack2
 from b12x_inductor.kernels.cute.softmax import RESCALE_LOG2, online_softmax
 from b12x_inductor.kernels.cute.softmax import moved as _moved
+from b12x_inductor.kernels.cute.softmax import scale_rows as _scale_rows
 
 THREADS = 384  # producer warpgroup + two consumer warpgroups
 HALF = DV // 2  # output columns per consumer warpgroup
@@ -799,13 +800,6 @@ def query_parts(q_ptr, q_sb, q_ss, q_sh, qpe_ptr, pe_sb, pe_ss, pe_sh) -> dict:
     stride, token stride, head stride) in elements."""
     assert (BLOCK_M * (DV // 8)) % 256 == 0 and (BLOCK_M * (CHUNKS - DV // 8)) % 256 == 0
     return {"nope": (q_ptr, q_sb, q_ss, q_sh), "pe": (qpe_ptr, pe_sb, pe_ss, pe_sh)}
-
-
-@cute.jit
-def _scale_rows(acc_o: cute.Tensor, alpha: cute.Tensor):
-    """O's rows times alpha (element e is in row half (e // 2) % 2)."""
-    for e in cutlass.range_constexpr(cute.size(acc_o)):
-        acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
 
 
 def _with_stage_stride(layout, stages: int, stride: int):

@@ -53,10 +53,11 @@ from b12x_inductor.kernels.cute import MLA_BLOCK_M as BLOCK_M
 from b12x_inductor.kernels.cute import MLA_D as D
 from b12x_inductor.kernels.cute import tma, tma_box
 from b12x_inductor.kernels.cute.common import NEG_BIG, LOG2E, PageRow, live_range, split_keys
-from b12x_inductor.kernels.cute.mla import (HALF, SLABS, SUM_BAR, MlaSplitKernel, _scale_rows, _with_stage_stride,
-                                            cluster_flag, query_parts)
+from b12x_inductor.kernels.cute.mla import (HALF, SLABS, SUM_BAR, MlaSplitKernel, _with_stage_stride, cluster_flag,
+                                            query_parts)
 from b12x_inductor.kernels.cute.softmax import RESCALE_LOG2, online_softmax
 from b12x_inductor.kernels.cute.softmax import moved as _moved
+from b12x_inductor.kernels.cute.softmax import scale_rows as _scale_rows
 
 THREADS = 256  # two warpgroups, both consumers; warp 0 of each issues its refills
 TILE_N = 64

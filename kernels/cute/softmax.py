@@ -1,6 +1,6 @@
 """The online softmax of one wgmma score tile, written once for the CuTe DSL kernels that keep scores in an
 m64nN accumulator (extend.py, mla.py), and the lazy rescale those and the other kernels share (RESCALE_LOG2,
-`moved`).
+`moved`, `scale_rows`).
 
 Fragment element i of the accumulator is in row half (i // 2) % 2: each thread holds two rows (r and r + 8)
 of the tile, and the four threads of a quad share them (a row's maxima and sums reduce over the quad by
@@ -88,6 +88,14 @@ def moved(alpha: cute.Tensor):
     for i in cutlass.range_constexpr(1, cute.size(alpha)):
         any_moved = any_moved | (alpha[i] != Float32(1.0))
     return cute.arch.vote_any_sync(any_moved)
+
+
+@cute.jit
+def scale_rows(acc_o: cute.Tensor, alpha: cute.Tensor):
+    """O's rows times alpha (element e of the accumulator fragment is in row half (e // 2) % 2, as in
+    online_softmax's score tile)."""
+    for e in cutlass.range_constexpr(cute.size(acc_o)):
+        acc_o[e] = acc_o[e] * alpha[(e // 2) % 2]
 
 
 @cute.jit
