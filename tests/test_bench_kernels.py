@@ -84,7 +84,7 @@ def test_dry_run_main(cpu_bench, tmp_path):
     cpu_bench.main(argv)
     doc = json.loads((tmp_path / "kernels_t.json").read_text())
     rows = {r["row"]: r for r in doc["rows"]}
-    expected = [r.label for r in kernels.build_rows(["models", "verify"], sizes=(2, 256))]
+    expected = [r.label for r in kernels.build_rows(["models", "verify"], sizes=[(2, 256)])]
     assert list(rows) == expected and "verify 2x256" in rows and "gpt-oss swa128 decode 2x256" in rows
     assert len(expected) == 10  # the model rows' sizes collapse onto 2x256: one row per model shape and mode
     sweep = [r.label for r in kernels.build_rows(["decode", "fp8"], sizes=parse_sizes("2x256,3x128"))]

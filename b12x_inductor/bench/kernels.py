@@ -39,9 +39,9 @@ Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8
 side), --variants (tuning: other plan constants), --head-dim (D of the default rows, default 128), --page-size
 (keys per page of every row, default 16), --extend-rows (other default extend rows, 'BxL[:S],...': S new tokens
 on L keys, a chunked prefill when S < L), --sizes BxL[,BxL...] (a dry run or a sweep: every row at each size,
-duplicates dropped), --flex-rows (only these row labels get FlexAttention), --packed (extend rows also time "b12x-packed": the op on q
-packed [B x S, Hq, D] with cu_seqlens_q, as the serving engine calls extend), --packed-batch M (implies --packed:
-cu_seqlens_q, the page table and the lengths of b12x-packed padded to M requests, as the serving engine pads them
+duplicates dropped), --flex-rows (only these row labels get FlexAttention), --packed (extend rows also time
+"b12x-packed": the op on q packed [B x S, Hq, D] with cu_seqlens_q, as the serving engine calls extend),
+--packed-batch M (implies --packed: cu_seqlens_q, the page table and the lengths of b12x-packed padded to M requests, as the serving engine pads them
 to its max_batch; the requests past B have no new tokens and no keys), --tag (JSON/PNG name; default the device's:
 h200, h100, ...), --profile (no timing: after its reference check each implementation runs once more inside an
 NVTX range named after it, for `ncu --nvtx --nvtx-include "b12x-cute/" python -m b12x_inductor.bench ...
@@ -144,9 +144,9 @@ MODELS = tuple(dict.fromkeys(tag.split()[0] for tag, *_ in MODEL_ROWS))  # --mod
 
 def build_rows(groups, default_shape=DEFAULT_SHAPE, extend_rows=None, sizes=None, page=None, models=None):
     """The rows of the --rows groups, in table order. extend_rows: the default extend rows [(B, L, S)];
-    page: the page size of every row (default: each shape's); sizes [(B, L), ...] (or one (B, L)): every row at
-    each of these sizes in turn (a dry run, or a sweep), rows that become identical kept once; models: the model rows (models, nosinks) of these models only
-    (names in MODELS; default all)."""
+    page: the page size of every row (default: each shape's); sizes [(B, L), ...]: every row at each of these
+    sizes in turn (a dry run, or a sweep), rows that become identical kept once; models: the model rows (models,
+    nosinks) of these models only (names in MODELS; default all)."""
     groups = [g for g in groups if g]
     unknown = sorted(set(groups) - set(ROW_GROUPS))
     if unknown:
@@ -177,7 +177,6 @@ def build_rows(groups, default_shape=DEFAULT_SHAPE, extend_rows=None, sizes=None
     if page is not None:
         rows = [dataclasses.replace(r, shape=dataclasses.replace(r.shape, page=page)) for r in rows]
     if sizes:
-        sizes = [sizes] if isinstance(sizes[0], int) else sizes
         rows = [dataclasses.replace(r, batch=b0, length=n0, q_len=n0 if r.mode == "extend" else r.q_len)
                 for b0, n0 in sizes for r in rows]
         seen, unique = set(), []

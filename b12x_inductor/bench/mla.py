@@ -29,7 +29,8 @@ copy bandwidth, argv, rows) to DIR/mla_<tag>.json.
 Options: --heads (comma list, default 128,16), --rows decode,verify,fp8 (default all), --page-size (keys per
 page, default 64; L must be a multiple), --peers flashinfer (default; '' for b12x alone), --out DIR (default
 benchmarks/results), --tag (default the device's: h200, h100, ...), --sizes BxL[,BxL...] (a dry run or a
-sweep: every row at each size, duplicates dropped, e.g. 2x128), --variants (tuning: '[family:]splits:block_n:stages:warps[:block_m][:vk],...' (vk: V's tile
+sweep: every row at each size, duplicates dropped, e.g. 2x128), --variants (tuning:
+'[family:]splits:block_n:stages:warps[:block_m][:vk],...' (vk: V's tile
 taken from K's, plan.v_from_k), family default
 triton, 0 keeps the plan's value: that family's plan through plan.family_plan, as bench/kernels.py's
 b12x_call, on q_nope and q_pe as mla_attention passes them, without its checks), --warm-peers (JIT-build FlashInfer's MLA modules
