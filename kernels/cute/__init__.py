@@ -483,6 +483,7 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     splits = plan["num_splits"]
     part_o, part_l = (out, lse) if splits == 1 else split_partials(scratch, batch * s * hq * splits, d, out.dtype)
     sinks = tensors["sinks"]
+    sinks_arg = sinks if sinks is not None else lse  # a valid float32 pointer where has_sinks is 0
     kp, ko, kh = _cache_strides(k_cache.stride(), layout)
     vp, vo, vh = _cache_strides(v_cache.stride(), layout)
     kds, kds_b, kds_h, has_kds = _descale(tensors["k_descale"], lse)
@@ -500,7 +501,7 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
             kv_start_ptr=_ptr(kv_start if kv_start is not None else lse, 4, torch.int32),
             kds_ptr=_ptr(kds, 4, torch.float32), vds_ptr=_ptr(vds, 4, torch.float32),
             part_o_ptr=_ptr(part_o, part_o.element_size()),
-            part_l_ptr=_ptr(part_l, 4), sinks_ptr=_ptr(sinks if sinks is not None else lse, 4, torch.float32),
+            part_l_ptr=_ptr(part_l, 4), sinks_ptr=_ptr(sinks_arg, 4, torch.float32),
             has_sinks=Int32(sinks is not None), batch=Int32(batch),
             **_strides(q.stride()[:3], (kp, ko, kh), (vp, vo, vh), pt.stride(0)),
             kds_b=Int32(kds_b), kds_h=Int32(kds_h), vds_b=Int32(vds_b), vds_h=Int32(vds_h),
@@ -511,7 +512,7 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
         if splits > 1:
             grid, merge = triton_decode.merge_launch(batch * s * hq, hq, v_cache.shape[-1], splits)
             triton_decode.merge_kernel[grid](
-                part_o, part_l, sinks if sinks is not None else lse, out, lse, int(sinks is not None), **merge)
+                part_o, part_l, sinks_arg, out, lse, int(sinks is not None), **merge)
 
 
 def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
@@ -557,6 +558,7 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
     part_o, part_l = (out, lse) if merged else split_partials(scratch, batch * s * hq * splits, MLA_DV, out.dtype)
     kp, ko, _ = _cache_strides(k_cache.stride(), layout)
     kv_start, sinks = tensors["kv_start"], tensors["sinks"]
+    sinks_arg = sinks if sinks is not None else lse  # a valid float32 pointer where has_sinks is 0
     softcap = float(options["softcap"])
     kds, kds_b, _, has_kds = _descale(tensors["k_descale"], lse)
     vds, vds_b, _, has_vds = _descale(tensors["v_descale"], lse)
@@ -566,7 +568,7 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
             q_ptr=_ptr(q, 16), qpe_ptr=_ptr(q_pe, 16), k_ptr=_ptr(k_cache, 16), pt_ptr=_ptr(pt, 4, torch.int32),
             seqlens_ptr=_ptr(tensors["cache_seqlens"], 4, torch.int32),
             kv_start_ptr=_ptr(kv_start if kv_start is not None else lse, 4, torch.int32),
-            sinks_ptr=_ptr(sinks if sinks is not None else lse, 4, torch.float32), part_o_ptr=_ptr(part_o, 16),
+            sinks_ptr=_ptr(sinks_arg, 4, torch.float32), part_o_ptr=_ptr(part_o, 16),
             part_l_ptr=_ptr(part_l, 4), out_ptr=_ptr(out, 2), lse_ptr=_ptr(lse, 4), kds_ptr=_ptr(kds, 4),
             vds_ptr=_ptr(vds, 4), kds_b=Int32(kds_b), vds_b=Int32(vds_b), has_kds=Int32(has_kds),
             has_vds=Int32(has_vds), batch=Int32(batch),
@@ -579,7 +581,7 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
         if not merged:
             grid, merge = triton_decode.merge_launch(batch * s * hq, hq, MLA_DV, splits)
             triton_decode.merge_kernel[grid](
-                part_o, part_l, sinks if sinks is not None else lse, out, lse, int(sinks is not None), **merge)
+                part_o, part_l, sinks_arg, out, lse, int(sinks is not None), **merge)
 
 
 def precompile(problem, plan, options) -> None:
