@@ -134,15 +134,14 @@ def test_cute_decode_tile_two_ctas_an_sm():
             (8, 8192): (8, 1),  # would need 4 tensor-core splits; the CUDA-core kernel at 512 CTAs
             (1, 32768): (64, 1), (1, 8192): (32, 1), (8, 2048): (8, 1), (4, 4096): (16, 1), (1, 2048): (8, 1)}
     for (batch, length), want in rows.items():
-        p = _problem(batch=batch, max_pages=length // 16, kv_dtype=F8, num_q_heads=32, num_kv_heads=8, page_size=16)
+        p = _problem(batch=batch, max_pages=length // 16, kv_dtype=F8)  # BASE: Hq 32, Hkv 8, pages of 16
         splits, tile = cute_plan.decode_tile(p)
         assert (splits, tile["block_m"]) == want, (batch, length, splits, tile)
     # 16 requests of 1024 keys: a second split would leave 512 keys a split, and 128 CTAs are below two an SM
-    few_keys = _problem(batch=16, max_pages=64, kv_dtype=F8, num_q_heads=32, num_kv_heads=8, page_size=16)
+    few_keys = _problem(batch=16, max_pages=64, kv_dtype=F8)
     assert cute_plan.decode_tile(few_keys)[1] is cute_plan.TILE
     for kw in (dict(), dict(q_len=4), dict(head_dim=256)):  # bf16, float8 verify, float8 D 256: CUDA cores
-        p = _problem(**{**dict(batch=32, max_pages=256, num_q_heads=32, num_kv_heads=8, page_size=16,
-                               kv_dtype=F8 if kw else torch.bfloat16), **kw})
+        p = _problem(**{**dict(batch=32, max_pages=256, kv_dtype=F8 if kw else torch.bfloat16), **kw})
         assert cute_plan.decode_tile(p)[1] is cute_plan.TILE, kw
 
 
