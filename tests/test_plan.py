@@ -43,7 +43,7 @@ def table() -> str:
         # 16 rows a KV head in one wave (one_wave_tile): unsplit on 64-key tiles for B x Hkv from 256 (the
         # two-an-SM target) to 396; below, 32-key tiles, splits halved until five programs an SM hold them all;
         # above, 2 splits on one K / V buffer at 397-511, unsplit on two to 660 and on one to 924; beyond a wave,
-        # the tile whose programs fill their last wave best
+        # unsplit on 64-key tiles with one buffer
         _row("h200 decode 24x4096", batch=24, q_len=1, max_pages=256, **H200),
         _row("h200 verify 32x4096 S=4", batch=32, q_len=4, max_pages=256, **H200),
         *[_row(f"h200 decode {b}x4096", batch=b, q_len=1, max_pages=256, **H200)
@@ -156,7 +156,7 @@ h200 decode 1x32768          decode  triton splits=64  m=16  n=32  warps=4 stage
 h200 decode 8x8192           decode  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=532480
 h200 decode 32x4096          decode  triton splits=1   m=16  n=64  warps=4 stages=3 scratch=0
 h200 decode 64x2048          decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
-h200 decode 128x1024         decode  triton splits=2   m=16  n=32  warps=4 stages=2 scratch=2129920
+h200 decode 128x1024         decode  triton splits=1   m=16  n=64  warps=4 stages=2 scratch=0
 h200 decode 16x16384         decode  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=532480
 h200 decode fp8 32x4096      decode  triton splits=1   m=16  n=128 warps=4 stages=3 scratch=0
 h200 decode D=256 g=1        decode  triton splits=8   m=16  n=16  warps=4 stages=3 scratch=264192
@@ -168,10 +168,10 @@ h200 decode 50x4096          decode  triton splits=2   m=16  n=32  warps=4 stage
 h200 decode 64x4096          decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
 h200 decode 72x4096          decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
 h200 decode 96x4096          decode  triton splits=1   m=16  n=32  warps=4 stages=2 scratch=0
-h200 decode 120x4096         decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=1996800
-h200 decode 128x4096         decode  triton splits=2   m=16  n=32  warps=4 stages=2 scratch=2129920
-h200 decode 160x4096         decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=2662400
-h200 decode 128x256          decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0
+h200 decode 120x4096         decode  triton splits=1   m=16  n=64  warps=4 stages=2 scratch=0
+h200 decode 128x4096         decode  triton splits=1   m=16  n=64  warps=4 stages=2 scratch=0
+h200 decode 160x4096         decode  triton splits=1   m=16  n=64  warps=4 stages=2 scratch=0
+h200 decode 128x256          decode  triton splits=1   m=16  n=64  warps=4 stages=2 scratch=0
 h200 decode Hkv=4 32x4096    decode  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=931840
 h200 verify 64x2048 S=16     verify  triton splits=1   m=64  n=64  warps=8 stages=3 scratch=0
 h200 verify G=8 32x4096 S=4  verify  triton splits=1   m=32  n=64  warps=4 stages=3 scratch=0

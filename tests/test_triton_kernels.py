@@ -552,11 +552,11 @@ def _reference(t, options):
 
 
 # (splits, block_n, num_stages) one_wave_tile gives these cases on 132 SMs (H100 / H200): B x Hkv = 448 at 2
-# splits on one K / V buffer, 800 unsplit on one (seven an SM); beyond a wave, 960 and 1200 at 2 splits on two
-# buffers and 1024 (a group of 8) on one
+# splits on one K / V buffer, 800 unsplit on one (seven an SM); beyond a wave, 960, 1024 (a group of 8) and 1200
+# unsplit on 64-key tiles with one buffer
 ONE_WAVE_TILES = {
     "decode_b56_wave": (2, 32, 2), "decode_gqa7_b200_wave": (1, 32, 2), "verify_b100_wave_window": (1, 32, 2),
-    "decode_b120_wave": (2, 32, 3), "decode_g8_b128_wave": (2, 32, 2), "decode_b150_wave": (2, 32, 3)}
+    "decode_b120_wave": (1, 64, 2), "decode_g8_b128_wave": (1, 64, 2), "decode_b150_wave": (1, 64, 2)}
 
 
 def _plan_of(t, options):

@@ -41,9 +41,6 @@ b12x_inductor.bench mla --variants ...` (h200.md, "MLA"). Extend takes 32 x 16 w
 
 from __future__ import annotations
 
-import math
-from fractions import Fraction
-
 from b12x_inductor.plan import FP8, Plan, Problem, next_pow2, prev_pow2, split_count, split_scratch_bytes, with_tiles
 
 SPLIT_RULE = dict(programs_per_sm=4, min_split_keys=256, max_splits=128)
@@ -160,15 +157,14 @@ def one_wave_tile(problem: Problem, programs: int, block_m: int, stages: int) ->
     - 397 to 511: the split rule's count (2) on one buffer (2 stages), halved until eight an SM hold them;
     - 512 to 660 (five an SM): unsplit on two buffers;
     - 661 to 924 (seven an SM): unsplit on one buffer, the tile that makes one wave there;
-    - from 925, more than one wave whichever tile: of 2 splits on one or two buffers and unsplit on two, the one
-      whose programs fill their last wave best, ties to 2 splits (2 splits only where each keeps the split rule's
-      256 keys): 925-990 2 splits on two buffers, 991-1056 on one, 1057-1320 on two (a tie with unsplit there),
-      1321-1584 on one, and so on.
-    One buffer only where it makes one wave: unsplit on two buffers ran 1.04-1.08x faster than on one at 544-640
-    programs (H200), unsplit on one buffer 1.01-1.18x slower than the fastest tile wherever no tile made one wave
-    (H100); h200.md, "Session 50". Where 2 splits and unsplit fill their last wave alike (1057-1320), 2 splits ran
-    1.03-1.05x faster on the H200 at the group of 4 (1088, 1200, 1280 programs) and 0.98x unsplit's speed at the
-    group of 8 (1280), within one tile's spread between processes (h200.md, "Session 51").
+    - from 925, more than one wave whichever tile: unsplit on 64-key tiles with one buffer, half the 32-key
+      tiles' iterations a program.
+    Below 925, one buffer only where it makes one wave: unsplit on two buffers ran 1.04-1.08x faster than on one
+    at 544-640 programs (H200; h200.md, "Session 50"). From 925, 64 keys on one buffer ran 1.04-1.06x faster than
+    the best of 2 splits on one or two 32-key buffers and unsplit on two, which fill their last wave alike, at
+    960, 1024, 1280, 1536 and 2048 programs on the H100 (group 4; h200.md, "Session 66"). On the H200, which has
+    not run the 64-key one-buffer tile, 2 splits had run 1.03-1.05x faster than unsplit on two 32-key buffers at
+    1088-1280 programs (h200.md, "Session 51"), where the H100 ran them 0.96x.
     Verify rows (S > 1) take the same tiles; their kernels' registers vary more with the group (64-113 on the
     32-key tiles; benchmarks/results/sm90_kernel_resources_triton36_s49.md)."""
     if not (block_m == 16 and stages == 3 and problem.kv_dtype != FP8
@@ -192,11 +188,4 @@ def one_wave_tile(problem: Problem, programs: int, block_m: int, stages: int) ->
         return 1, 32, 3
     if programs <= cap(32, 2, 1):
         return 1, 32, 2
-    candidates = [(2, 2), (2, 3)] * (problem.kv_span // 2 >= SPLIT_RULE["min_split_keys"]) + [(1, 3)]
-
-    def fill(splits: int, num_stages: int) -> Fraction:  # the last wave's share of a whole one
-        waves = Fraction(programs * splits, cap(32, num_stages, splits))
-        return waves / math.ceil(waves)
-
-    splits, num_stages = max(candidates, key=lambda c: fill(*c))  # ties to the first
-    return splits, 32, num_stages
+    return 1, 64, 2
