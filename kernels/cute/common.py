@@ -1,9 +1,9 @@
 """Math shared by the CuTe DSL family's kernels (decode.py, decode_mma.py, extend.py and the MLA kernels), written
 once: the per-(request, KV head) scales, a request's live key range (clamped: `live_range`) and a split's share of
 it (`split_keys`), its page-table row (page ids clamped into the cache: `PageRow`), a score's log2-domain logit and
-whether a key is visible to a row, a row's output factor and lse (`output_factor`: mla.py's and mla_narrow.py's
-epilogues); and the stage barriers of a pipelined K/V ring (`full_barrier`, `empty_barrier`, `stage_phase`,
-`release_phase`).
+the keys visible to a row (`visible_range`), a row's output factor and lse (`output_factor`: mla.py's and
+mla_narrow.py's epilogues); and the stage barriers of a pipelined K/V ring (`full_barrier`, `empty_barrier`) and a
+tile's slot in it (`ring_slot`).
 """
 
 from __future__ import annotations
@@ -115,23 +115,11 @@ def logit(x: Float32, k_scale: Float32, softcap: Float32, use_softcap: cutlass.C
 
 
 @cute.jit
-def visible(j: Int32, hi: Int32, start: Int32, limit: Int32, window_left: Int32, causal: cutlass.Constexpr,
-            use_window: cutlass.Constexpr):
-    """Whether key j is visible to a row whose causal limit (last visible key) is `limit`: below `hi`, at or
-    after kv_start, and (causal) at most limit, (window) at least limit - window_left."""
-    ok = (j < hi) & (j >= start)
-    if const_expr(causal):
-        ok = ok & (j <= limit)
-    if const_expr(use_window):
-        ok = ok & (j >= limit - window_left)
-    return ok
-
-
-@cute.jit
 def visible_range(hi: Int32, start: Int32, limit: Int32, window_left: Int32, causal: cutlass.Constexpr,
                   use_window: cutlass.Constexpr):
-    """The keys [k_lo, k_hi) visible to a row whose causal limit is `limit` (`visible` as a range): from
-    kv_start (and, with a window, limit - window_left) up to hi (and, causal, limit + 1)."""
+    """The keys [k_lo, k_hi) visible to a row whose causal limit (last visible key) is `limit`: from kv_start
+    (and, with a window, limit - window_left) up to hi (and, causal, limit + 1). Every kernel's masks test a key
+    against this range."""
     k_lo = start
     k_hi = hi
     if const_expr(causal):
@@ -144,9 +132,9 @@ def visible_range(hi: Int32, start: Int32, limit: Int32, window_left: Int32, cau
 # The 3 x NS mbarriers of an NS-stage ring of K and V tiles, from `mbar`: per stage a K-full and a V-full
 # barrier, completed as the producer's copies land, and an empty one, which every consumer thread arrives on
 # when it is done with the stage. Tile `it` lives in stage it % NS; on the n-th use of a stage (n = it // NS)
-# its full barriers complete in phase n % 2 (`stage_phase`), and the producer, before refilling it, waits for
-# the release of its previous use (`release_phase`: phase (n + 1) % 2). Plain functions, not an object: the
-# DSL cannot carry a Python object through a run-time `if`.
+# its full barriers complete in phase n % 2 (`ring_slot`), and the producer, before refilling it, waits for
+# the release of its previous use: the other phase, (n + 1) % 2. Plain functions, not an object: the DSL cannot
+# carry a Python object through a run-time `if`.
 
 def full_barrier(mbar: cute.Pointer, stages: int, kv: int, stage):
     """The K-full (kv 0) or V-full (kv 1) barrier of a stage."""
@@ -157,19 +145,10 @@ def empty_barrier(mbar: cute.Pointer, stages: int, stage):
     return mbar + 2 * stages + stage
 
 
-def stage_phase(it, stages: int):
-    """The phase in which tile `it`'s full barriers complete."""
-    return (it // stages) % 2
-
-
-def release_phase(it, stages: int):
-    """The phase the producer waits for on tile `it`'s stage before refilling it (it >= NS)."""
-    return (it // stages + 1) % 2
-
-
 def ring_slot(it, stages: int):
-    """(stage, phase): tile `it`'s stage (it % NS) and the phase its full barriers complete in (`stage_phase`;
+    """(stage, phase): tile `it`'s stage (it % NS) and the phase its full barriers complete in ((it // NS) % 2;
     the producer's release phase is the other), for it >= 0 in unsigned arithmetic, which compiles to a mask
-    and a shift (NS a power of two) or a multiply-high, where signed division adds a fix-up for negative it."""
+    and a shift (NS a power of two) or a multiply-high, where signed division adds a fix-up for negative it.
+    Every kernel's ring takes its slots from here."""
     u = Uint32(it)
     return Int32(u % stages), Int32((u // stages) % 2)

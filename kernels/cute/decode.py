@@ -47,8 +47,8 @@ from cutlass.cute.nvgpu import cpasync
 
 from b12x_inductor.kernels.cute import KEYS_PER_THREAD, geometry, tma, tma_box
 
-from b12x_inductor.kernels.cute.common import (NEG_BIG, PageRow, live_range, logit, output_factor, scales,
-                                               split_keys, visible)
+from b12x_inductor.kernels.cute.common import (NEG_BIG, PageRow, live_range, logit, output_factor, ring_slot,
+                                               scales, split_keys, visible_range)
 
 
 class SplitKernel:
@@ -227,7 +227,8 @@ class SplitKernel:
             cute.arch.cp_async_wait_group(self.stages - 2)
         else:
             mbar = tiles[4]
-            cute.arch.mbarrier_wait(mbar + it % self.stages, (it // self.stages) % 2)
+            stage, phase = ring_slot(it, self.stages)
+            cute.arch.mbarrier_wait(mbar + stage, phase)
         cute.arch.barrier()
 
     @cute.jit
@@ -327,11 +328,11 @@ class SplitKernel:
         cute.arch.barrier()
 
         for it in cutlass.range(n_tiles, unroll=1):
-            stage = it % NS
+            stage = ring_slot(it, NS)[0]
             self._wait(it, tiles)
             nxt = it + NS - 1
             if nxt < n_tiles:
-                self._fill(k_base, v_base, pt_row, sK, sV, atom, s_lo + nxt * TILE_N, s_hi, nxt % NS, tidx, h,
+                self._fill(k_base, v_base, pt_row, sK, sV, atom, s_lo + nxt * TILE_N, s_hi, ring_slot(nxt, NS)[0], tidx, h,
                            k_sp, k_so, v_sp, v_so, tiles)
             self._commit()
             tile_lo = s_lo + it * TILE_N
@@ -363,6 +364,7 @@ class SplitKernel:
                 if r < R:
                     tok = r // G
                     limit = length - S + tok
+                    k_lo, k_hi = visible_range(s_hi, start, limit, window_left, self.causal, self.use_window)
                     pv = cute.make_rmem_tensor((TILE_N // 32,), Float32)
                     t_max = Float32(NEG_BIG)
                     for u in cutlass.range_constexpr(TILE_N // 32):
@@ -372,8 +374,7 @@ class SplitKernel:
                         for p in cutlass.range_constexpr(PARTS):
                             x = x + sS[p, r, key]
                         x = logit(x, k_scale, softcap, self.use_softcap)
-                        ok = visible(j, s_hi, start, limit, window_left, self.causal, self.use_window)
-                        x = x if ok else Float32(-math.inf)
+                        x = x if (j >= k_lo) & (j < k_hi) else Float32(-math.inf)
                         pv[u] = x
                         t_max = cutlass.max(t_max, x)
                     for off in cutlass.range_constexpr(5):

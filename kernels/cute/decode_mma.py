@@ -33,7 +33,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint16, Uint32, const_expr
 
 from b12x_inductor.kernels.cute import mma_geometry
-from b12x_inductor.kernels.cute.common import NEG_BIG, logit, scales, visible
+from b12x_inductor.kernels.cute.common import NEG_BIG, logit, ring_slot, scales, visible_range
 from b12x_inductor.kernels.cute.decode import SplitKernel
 from b12x_inductor.kernels.cute.softmax import RESCALE_LOG2
 from b12x_inductor.kernels.cute.softmax import moved as _moved
@@ -133,8 +133,11 @@ class MmaSplitKernel(SplitKernel):
         for i in cutlass.range_constexpr(2):
             m_run[i] = Float32(NEG_BIG)
             l_run[i] = Float32(0.0)
-        limit0 = length - S + cutlass.min(gq, R - 1) // G  # causal limits of rows gq and gq + 8
-        limit1 = length - S + cutlass.min(gq + 8, R - 1) // G
+        # the keys rows gq and gq + 8 see, from their causal limits
+        lo0, hi0 = visible_range(s_hi, start, length - S + cutlass.min(gq, R - 1) // G, window_left, self.causal,
+                                 self.use_window)
+        lo1, hi1 = visible_range(s_hi, start, length - S + cutlass.min(gq + 8, R - 1) // G, window_left,
+                                 self.causal, self.use_window)
         # keys every row sees, [full_lo, full_hi): a tile inside needs no mask (the first row's causal limit, the
         # last row's window edge)
         full_lo = start
@@ -151,11 +154,11 @@ class MmaSplitKernel(SplitKernel):
             self._commit()
 
         for it in cutlass.range(n_tiles, unroll=1):
-            stage = it % NS
+            stage = ring_slot(it, NS)[0]
             self._wait(it, tiles)
             nxt = it + NS - 1
             if nxt < n_tiles:
-                self._fill(k_base, v_base, pt_row, sK, sV, atom, s_lo + nxt * TILE_N, s_hi, nxt % NS, tidx, h,
+                self._fill(k_base, v_base, pt_row, sK, sV, atom, s_lo + nxt * TILE_N, s_hi, ring_slot(nxt, NS)[0], tidx, h,
                            k_sp, k_so, v_sp, v_so, tiles)
             self._commit()
             key0 = warp * KW  # this warp's keys of the tile
@@ -197,9 +200,8 @@ class MmaSplitKernel(SplitKernel):
                 for t in cutlass.range_constexpr(KW // 8):
                     for c in cutlass.range_constexpr(4):
                         j = tile_lo + key0 + 8 * t + 2 * tq + c % 2
-                        limit = limit0 if c < 2 else limit1
-                        ok = visible(j, s_hi, start, limit, window_left, self.causal, self.use_window)
-                        sacc[t, c] = sacc[t, c] if ok else Float32(-math.inf)
+                        lo, hi = (lo0, hi0) if c < 2 else (lo1, hi1)  # c: compile-time
+                        sacc[t, c] = sacc[t, c] if (j >= lo) & (j < hi) else Float32(-math.inf)
             alpha = cute.make_rmem_tensor((2,), Float32)
             for i in cutlass.range_constexpr(2):
                 t_max = Float32(NEG_BIG)

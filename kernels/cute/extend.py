@@ -830,7 +830,7 @@ class ExtendKernel:
             g = done + it
             stage, phase = ring_slot(g, NS)
             if g >= NS:
-                cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), 1 - phase)  # release_phase(g)
+                cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), 1 - phase)  # its previous use's release
             j0 = lo + it * BN
             if const_expr(BOX != 0):
                 if (j0 % BOX == 0) & (j0 + BN <= length):

@@ -76,8 +76,7 @@ from b12x_inductor.kernels.cute import MLA_D as D
 from b12x_inductor.kernels.cute import MLA_DV as DV
 from b12x_inductor.kernels.cute import mla_geometry, tma, tma_box
 from b12x_inductor.kernels.cute.common import (LN2, LOG2E, NEG_BIG, PageRow, empty_barrier, full_barrier,
-                                               live_range, output_factor, release_phase, scales, split_keys,
-                                               stage_phase)
+                                               live_range, output_factor, ring_slot, scales, split_keys)
 from b12x_inductor.kernels.cute.plan import MLA_FP8_LAG as FP8_LAG  # float8 tiles loaded ahead of the one widened
 from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, ld_dsmem_f32, ld_dsmem_v4, pack2
 from b12x_inductor.kernels.cute.softmax import RESCALE_LOG2, online_softmax
@@ -256,15 +255,15 @@ class MlaSplitKernel:
             n_own = (n_tiles - wgc + 1) // 2
             for i in cutlass.range(n_own, unroll=1):
                 j = 2 * i + wgc
-                stage = j % NS
+                stage, phase = ring_slot(j, NS)
                 # this consumer's P V of its previous tile j - 2 done, and that stage released, before tile j is
                 # waited for: with 2 stages tile j goes into it, and with more the producer refills it soonest (the
                 # release deferred past the scores of tile j measured 1.1-1.35x slower; h200.md, session 27)
                 warpgroup.wait_group(0)
                 if j >= 2:
-                    cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (j - 2) % NS))
+                    cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, ring_slot(j - 2, NS)[0]))
                 # S_j = Q K_j^T, in flight while the other consumer's tile j - 1 is taken in
-                cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), stage_phase(j, NS))
+                cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), phase)
                 cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
                 warpgroup.fence()
                 self._scores(acc_s, tSrQ, tSrK, stage)
@@ -289,7 +288,7 @@ class MlaSplitKernel:
                 # O to m_j, then O += P_j V_j (P V of tile j - 1 first: it reads O too)
                 warpgroup.wait_group(0)
                 if j >= 1:
-                    cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, (j - 1) % NS))
+                    cute.arch.mbarrier_arrive(empty_barrier(mbar, NS, ring_slot(j - 1, NS)[0]))
                 if _moved(alpha):
                     _scale_rows(acc_o, alpha)
                 warpgroup.fence()
@@ -311,8 +310,8 @@ class MlaSplitKernel:
         on; the wait is the whole warpgroup's), O where a row's max moved; then issues O += P_j V_j."""
         NS = const_expr(self.stages)
         cute.arch.barrier(barrier_id=PUB_BAR + 1 - wgc, number_of_threads=256)
-        stage = j % NS
-        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), stage_phase(j, NS))
+        stage, phase = ring_slot(j, NS)
+        cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), phase)
         for rh in cutlass.range_constexpr(2):
             m_new = sM[1 - wgc, t_co[2 * rh][0]]
             alpha[rh] = cute.arch.exp2(m_run[rh] - m_new)
@@ -618,9 +617,9 @@ class MlaSplitKernel:
             if tidx == 0:
                 cpasync.prefetch_descriptor(tma_k)
         for it in cutlass.range(n_tiles, unroll=1):
-            stage = it % NS
-            if it >= NS:
-                cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), release_phase(it, NS))
+            stage, phase = ring_slot(it, NS)
+            if it >= NS:  # the stage's previous use, released in the other phase
+                cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), 1 - phase)
             j0 = s_lo + it * BN
             if const_expr(BOX != 0):
                 if (j0 >= start) & (j0 + BN <= length):
@@ -719,15 +718,15 @@ class MlaSplitKernel:
             self._fp8_page_ids(tidx, pt_row, keys, s_lo, ids)
         for it in cutlass.range(n_tiles + FP8_LAG, unroll=1):
             if it >= FP8_LAG:
-                done = (it - FP8_LAG) % NS
+                done = ring_slot(it - FP8_LAG, NS)[0]
                 cute.arch.cp_async_wait_group(FP8_LAG - 1)
                 self._widen_fp8(tidx, done, ring)
                 cute.arch.fence_proxy("async.shared", space="cta")  # the widened tile -> the consumers' wgmma
                 cute.arch.mbarrier_arrive(full_barrier(mbar, NS, 0, done))
             if it < n_tiles:
-                stage = it % NS
-                if it >= NS:
-                    cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), release_phase(it, NS))
+                stage, phase = ring_slot(it, NS)
+                if it >= NS:  # the stage's previous use, released in the other phase
+                    cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), 1 - phase)
                 self._stage_fp8(tidx, pt_row, keys, ids, k_ptr, k_sp, k_so, s_lo + it * BN,
                                 _fp8_rows(ring, BN, NS)[stage, None, None, None])
                 if it + 1 < n_tiles:

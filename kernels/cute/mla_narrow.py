@@ -55,8 +55,8 @@ from b12x_inductor.kernels.cute import MLA_D as D
 from b12x_inductor.kernels.cute import MLA_DV as DV
 from b12x_inductor.kernels.cute import MLA_NARROW_ROWS as ROWS  # query rows of a CTA: the wgmma's N
 from b12x_inductor.kernels.cute.common import (NEG_BIG, PageRow, empty_barrier, full_barrier,
-                                               live_range, logit, output_factor, release_phase, scales,
-                                               split_keys, stage_phase, visible)
+                                               live_range, logit, output_factor, ring_slot, scales,
+                                               split_keys, visible_range)
 from b12x_inductor.kernels.cute.mla import (CHUNKS, CHUNKS8, MlaSplitKernel, _chunk, _chunks_view, _with_stage_stride,
                                             cluster_flag, query_parts)
 from b12x_inductor.kernels.cute.ptx import e4m3x4_to_f16x4, pack2, prmt
@@ -222,8 +222,8 @@ class MlaNarrowKernel(MlaSplitKernel):
             n_own = (n_tiles - wgc + 1) // 2
             for i in cutlass.range(n_own, unroll=1):
                 j = 2 * i + wgc
-                stage = j % NS
-                cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), stage_phase(j, NS))
+                stage, phase = ring_slot(j, NS)
+                cute.arch.mbarrier_wait(full_barrier(mbar, NS, 0, stage), phase)
                 cute.arch.fence_proxy("async.shared", space="cta")  # cp.async writes -> wgmma reads
                 warpgroup.fence()
                 if const_expr(self.fp8):
@@ -402,8 +402,9 @@ class MlaNarrowKernel(MlaSplitKernel):
             c = Float32(1.0)
         if (j0 < start) | (j0 + TILE_N > full_hi):
             for e in cutlass.range_constexpr(cute.size(acc_s)):
-                ok = visible(j0 + t_cs[e][0], hi, start, limit[_col(e)], Int32(0), self.causal, False)
-                acc_s[e] = acc_s[e] if ok else Float32(-math.inf)
+                k_lo, k_hi = visible_range(hi, start, limit[_col(e)], Int32(0), self.causal, False)
+                j = j0 + t_cs[e][0]
+                acc_s[e] = acc_s[e] if (j >= k_lo) & (j < k_hi) else Float32(-math.inf)
         for cq in cutlass.range_constexpr(4):
             e0 = _elem(cq)
             x = cute.arch.fmax(acc_s[e0], acc_s[e0 + 2])
@@ -483,9 +484,9 @@ class MlaNarrowKernel(MlaSplitKernel):
         if n_tiles > 0:
             self._fp8_page_ids(tidx, pt_row, keys, s_lo, ids)
         for it in cutlass.range(n_tiles, unroll=1):
-            stage = it % NS
-            if it >= NS:
-                cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), release_phase(it, NS))
+            stage, phase = ring_slot(it, NS)
+            if it >= NS:  # the stage's previous use, released in the other phase
+                cute.arch.mbarrier_wait(empty_barrier(mbar, NS, stage), 1 - phase)
             j0 = s_lo + it * BN
             self._stage_fp8(tidx, pt_row, keys, ids, k_ptr, k_sp, k_so, j0, dst[stage, None, None, None])
             if it + 1 < n_tiles:
