@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from b12x_inductor.bench import kernels
+from b12x_inductor.bench import kernels, parse_sizes
 from b12x_inductor.bench import mla as bench
 
 TINY = ["--sizes", "2x128", "--heads", "4", "--page-size", "16"]
@@ -57,8 +57,8 @@ def test_rows_and_metrics():
     assert todo[0] == ("decode", 1, 32768, 1, 128, torch.bfloat16) and todo[4][:5] == ("verify", 32, 4096, 4, 128)
     assert {t[4] for t in todo if t[5] == torch.float8_e4m3fn} == {16}
     assert bench.todo_rows({"fp8"}, [8])[0] == ("decode", 32, 4096, 1, 8, torch.float8_e4m3fn)
-    assert bench.todo_rows({"decode"}, [16], "2x128,3x64") == [("decode", 2, 128, 1, 16, torch.bfloat16),
-                                                               ("decode", 3, 64, 1, 16, torch.bfloat16)]
+    assert bench.todo_rows({"decode"}, [16], parse_sizes("2x128,3x64")) == [
+        ("decode", 2, 128, 1, 16, torch.bfloat16), ("decode", 3, 64, 1, 16, torch.bfloat16)]
     m = bench.row_metrics(2, 1024, 4, 16, torch.bfloat16, 1e6)  # one second
     assert m["tflops"] == pytest.approx(2 * 2 * 16 * 4 * 1024 * 1088 / 1e12)
     assert m["tbps"] == pytest.approx((2 * 1024 * 576 * 2 + 2 * 4 * 16 * 1088 * 2) / 1e12)

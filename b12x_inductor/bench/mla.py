@@ -417,9 +417,9 @@ def markdown(results, skipped):
     return "\n".join(lines + ["", *(f"n/a: {n}" for n in notes)] if notes else lines)
 
 
-def todo_rows(rows, heads, sizes=""):
-    """[(mode, B, L, S, H, kv dtype)] in table order; with sizes 'BxL[,BxL...]' every row at each size in turn,
-    duplicates dropped."""
+def todo_rows(rows, heads, sizes=()):
+    """[(mode, B, L, S, H, kv dtype)] in table order; with sizes [(B, L), ...] (`parse_sizes`) every row at each
+    size in turn, duplicates dropped."""
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     todo = []
     for h in heads:
@@ -431,8 +431,7 @@ def todo_rows(rows, heads, sizes=""):
         for h in ([FP8_HEADS] if FP8_HEADS in heads else heads):
             todo += [("decode", b, n, 1, h, fp8) for b, n in FP8_ROWS]
     if sizes:
-        todo = list(dict.fromkeys((m, b0, n0, s, h, dt) for b0, n0 in parse_sizes(sizes)
-                                  for m, b, n, s, h, dt in todo))
+        todo = list(dict.fromkeys((m, b0, n0, s, h, dt) for b0, n0 in sizes for m, b, n, s, h, dt in todo))
     return todo
 
 
@@ -456,7 +455,7 @@ def main(argv) -> None:
     heads = [int(h) for h in args.heads.split(",") if h]
     rows = set(r for r in args.rows.split(",") if r)
     try:
-        parse_sizes(args.sizes)
+        sizes = parse_sizes(args.sizes)
     except ValueError as e:
         sys.exit(f"b12x_inductor.bench mla: {e}")
     if _device() == "cuda" and not torch.cuda.is_available():
@@ -490,7 +489,7 @@ def main(argv) -> None:
     log(f"versions {versions}; copy bandwidth {bw:.2f} TB/s {bw_all}")
     t0 = time.time()
     results = [run_row(m, b, n, s, h, dt, peers, variants, bw)
-               for m, b, n, s, h, dt in todo_rows(rows, heads, args.sizes)]
+               for m, b, n, s, h, dt in todo_rows(rows, heads, sizes)]
     table = markdown(results, skipped)
     log(table)
     os.makedirs(args.out, exist_ok=True)
