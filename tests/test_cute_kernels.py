@@ -209,7 +209,7 @@ def _cute_extend_case(kw):
 
 
 # (name, make_inputs kwargs, options): the Triton family's decode/verify cases the CuTe family expresses, and
-# five more (a group of 1, float8 with D=256 and every feature, verify with G=8, two with NaN-filled unused slots)
+# six more (a group of 1, float8 with D=256 and every feature, verify with G=8, three with NaN-filled unused slots)
 GPU_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES if _cute_case(c[1])] + [
     ("decode_g1_d64", dict(batch=2, hq=8, hkv=8, d=64, page_size=16, lens=[129, 64]), {}),
     ("decode_fp8_d256_features", dict(batch=2, hq=16, hkv=2, d=256, page_size=16, lens=[500, 70], kv_dtype=F8,
@@ -223,6 +223,12 @@ GPU_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES 
     ("verify_d64_kv_start_window_nan_unused", dict(batch=2, q_len=3, hq=8, hkv=2, d=64, page_size=16,
                                                    lens=[700, 90], kv_start=True, nan_unused=True),
      dict(window_left=300)),
+    # float8 TMA tiles of ranges that start on a box past key 0 (kv_start 256 and 48) and at key 0: the page ids
+    # the split kernels read beside the length, for a range from key 0 (decode.py `_guess_pages`), serve only
+    # the last request; the others' ids before kv_start point at NaN slots
+    ("decode_fp8_kv_start_on_boxes_nan_unused", dict(batch=3, hq=16, hkv=4, d=128, page_size=16,
+                                                     lens=[1500, 700, 130], kv_dtype=F8, descale="bh",
+                                                     kv_start=[256, 48, 0], nan_unused=True), {}),
 ]
 
 

@@ -167,30 +167,69 @@ class SplitKernel:
                                    num_bits_per_copy=128)
         return pt_row, k_base, v_base, atom
 
+    def _whole(self, tile_lo: Int32, s_hi: Int32):
+        """Whether the tile from tile_lo goes by TMA: every key below s_hi (so the request's) and its start on a
+        box."""
+        return (tile_lo % self.box == 0) & (tile_lo + self.tile_n <= s_hi)
+
+    @cute.jit
+    def _tile_pages(self, pt_row: PageRow, tile_lo: Int32, s_hi: Int32, tidx: Int32):
+        """The page id this thread hands `_tma_tile` for the tile from tile_lo: box row warp + WARPS x lane's
+        where the tile goes by TMA and the lane has a box row, else 0 (read for no other tile, so no index
+        reaches past the page-table row). The kernels read a tile's ids here one tile before its `_fill`, so
+        the load of an id is not on the path from a stage's release to its copy."""
+        page = Int32(0)
+        if const_expr(self.box != 0):
+            WARPS = const_expr(self.warps)
+            BOX_ROWS = const_expr(self.tile_n // self.box)
+            warp = tidx // 32
+            lane = tidx % 32
+            if self._whole(tile_lo, s_hi) & (warp + WARPS * lane < BOX_ROWS):
+                page = tma.box_page(pt_row, tile_lo, self.page, self.box, warp + WARPS * lane)
+        return page
+
+    def _guess_pages(self, pt_row: PageRow, cap: Int32, tidx: Int32):
+        """The first NS tiles' `_tile_pages` for a range from key 0, read before the live length is (the page
+        table's capacity `cap` bounding them), so that a CTA's first page ids load beside its length."""
+        return [self._tile_pages(pt_row, Int32(st * self.tile_n), cap, tidx) for st in range(self.stages)]
+
+    def _first_pages(self, guess: list, pt_row: PageRow, s_lo: Int32, s_hi: Int32, tidx: Int32):
+        """The first NS tiles' `_tile_pages` of the range [s_lo, s_hi): `guess` where s_lo is 0 (each a tile
+        that `_fill` takes by TMA has the same ids whichever end bounds it), else read now."""
+        return [self._guess_or_read(guess[st], pt_row, s_lo, s_hi, st, tidx) for st in range(self.stages)]
+
+    @cute.jit
+    def _guess_or_read(self, guess: Int32, pt_row: PageRow, s_lo: Int32, s_hi: Int32, st: cutlass.Constexpr,
+                       tidx: Int32):
+        page = guess
+        if s_lo != 0:
+            page = self._tile_pages(pt_row, s_lo + st * self.tile_n, s_hi, tidx)
+        return page
+
     @cute.jit
     def _fill(self, k_base: Int64, v_base: Int64, pt_row: PageRow, sK: cute.Tensor, sV: cute.Tensor, atom,
               tile_lo: Int32, s_hi: Int32, stage: Int32, tidx: Int32, h: Int32, k_sp: Int64, k_so: Int64,
-              v_sp: Int64, v_so: Int64, tiles):
-        """Loads one tile into `stage`: by TMA where it is whole (every key below s_hi, so the request's) and
-        starts on a box, else by cp.async (keys past s_hi zero-filled); with TMA compiled in, the cp.async
-        copies then arrive on the stage's mbarrier as they land."""
+              v_sp: Int64, v_so: Int64, tiles, pages: Int32):
+        """Loads one tile into `stage`: by TMA where it is whole (`_whole`), its page ids `pages` as
+        `_tile_pages` read them, else by cp.async (keys past s_hi zero-filled); with TMA compiled in, the
+        cp.async copies then arrive on the stage's mbarrier as they land."""
         if const_expr(self.box == 0):
             self._load_tile(k_base, v_base, pt_row, sK, sV, atom, tile_lo, s_hi, stage, tidx, k_sp, k_so, v_sp,
                             v_so)
         else:
             tma_k, m_k, tma_v, m_v, mbar = tiles
-            if (tile_lo % self.box == 0) & (tile_lo + self.tile_n <= s_hi):
-                self._tma_tile(pt_row, sK, sV, tile_lo, stage, tidx, h, tma_k, m_k, tma_v, m_v, mbar + stage)
+            if self._whole(tile_lo, s_hi):
+                self._tma_tile(pages, sK, sV, tile_lo, stage, tidx, h, tma_k, m_k, tma_v, m_v, mbar + stage)
             else:
                 self._load_tile(k_base, v_base, pt_row, sK, sV, atom, tile_lo, s_hi, stage, tidx, k_sp, k_so, v_sp,
                                 v_so)
                 cute.arch.cp_async_mbarrier_arrive_noinc(mbar + stage)
 
     @cute.jit
-    def _tma_tile(self, pt_row: PageRow, sK: cute.Tensor, sV: cute.Tensor, tile_lo: Int32, stage: Int32,
+    def _tma_tile(self, page: Int32, sK: cute.Tensor, sV: cute.Tensor, tile_lo: Int32, stage: Int32,
                   tidx: Int32, h: Int32, tma_k, m_k, tma_v, m_v, bar: cute.Pointer):
         """One whole tile by TMA: box row r (keys tile_lo + r x BOX ..., one page) goes to warp r % WARPS, which
-        copies its K box and its V box (one elected lane each; the page id is read by lane r // WARPS and
+        copies its K box and its V box (one elected lane each; the page id, `page` of lane r // WARPS, is
         shuffled). Thread 0 arrives with the tile's byte count (expect-tx), the others plainly."""
         TILE_N = const_expr(self.tile_n)
         BOX = const_expr(self.box)
@@ -198,10 +237,6 @@ class SplitKernel:
         BOX_ROWS = const_expr(TILE_N // BOX)
         PER_WARP = const_expr((BOX_ROWS + WARPS - 1) // WARPS)
         warp = tidx // 32
-        lane = tidx % 32
-        page = Int32(0)
-        if (warp + WARPS * lane < BOX_ROWS) & (lane < PER_WARP):
-            page = tma.box_page(pt_row, tile_lo, self.page, BOX, warp + WARPS * lane)
         if tidx == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, 2 * TILE_N * 128)
         else:
@@ -284,7 +319,9 @@ class SplitKernel:
         sM = storage.row_max.get_tensor(cute.make_layout((R,)))
         sL = storage.row_sum.get_tensor(cute.make_layout((R,)))
 
-        # ---- the split's key range, from the live length (device-side) ----
+        # ---- the split's key range, from the live length (device-side); its first page ids read beside it ----
+        pt_row, k_base, v_base, atom = self._sources(pt_ptr, pt_sb, num_pages, k_ptr, v_ptr, k_sh, v_sh, b, h)
+        guess = self._guess_pages(pt_row, cap, tidx)
         length, start, s_lo, s_hi, n_tiles = self._split_range(seqlens_ptr, kv_start_ptr, has_kv_start, window_left,
                                                                split, b, cap)
         k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h, sm_scale, b, h)
@@ -298,8 +335,6 @@ class SplitKernel:
                 col = e % D
                 off = Int64(b) * q_sb + Int64(r // G) * q_ss + Int64(h * G + r % G) * q_sh + Int64(col)
                 sQ[r, col // VEC, col % VEC] = Float32(q_rows[off])
-
-        pt_row, k_base, v_base, atom = self._sources(pt_ptr, pt_sb, num_pages, k_ptr, v_ptr, k_sh, v_sh, b, h)
 
         # ---- per-thread state ----
         # score phase: keys kj and kj + TILE_N / 2, head-dim part qp
@@ -320,11 +355,14 @@ class SplitKernel:
             l_run[i] = Float32(0.0)
 
         # ---- prologue: the first NS - 1 tiles in flight ----
+        # page ids a tile ahead of their fill (`_tile_pages`): the prologue's tiles' and the first fill's together
+        pages = self._first_pages(guess, pt_row, s_lo, s_hi, tidx)
         for st in cutlass.range_constexpr(NS - 1):
             if st < n_tiles:
                 self._fill(k_base, v_base, pt_row, sK, sV, atom, s_lo + st * TILE_N, s_hi, Int32(st), tidx, h,
-                           k_sp, k_so, v_sp, v_so, tiles)
+                           k_sp, k_so, v_sp, v_so, tiles, pages[st])
             self._commit()
+        next_pages = pages[NS - 1]
         cute.arch.barrier()
 
         for it in cutlass.range(n_tiles, unroll=1):
@@ -332,9 +370,10 @@ class SplitKernel:
             self._wait(it, tiles)
             nxt = it + NS - 1
             if nxt < n_tiles:
-                self._fill(k_base, v_base, pt_row, sK, sV, atom, s_lo + nxt * TILE_N, s_hi, ring_slot(nxt, NS)[0], tidx, h,
-                           k_sp, k_so, v_sp, v_so, tiles)
+                self._fill(k_base, v_base, pt_row, sK, sV, atom, s_lo + nxt * TILE_N, s_hi, ring_slot(nxt, NS)[0],
+                           tidx, h, k_sp, k_so, v_sp, v_so, tiles, next_pages)
             self._commit()
+            next_pages = self._tile_pages(pt_row, s_lo + (nxt + 1) * TILE_N, s_hi, tidx)
             tile_lo = s_lo + it * TILE_N
 
             # 2. partial scores over this thread's part of the head dim

@@ -100,7 +100,9 @@ class MmaSplitKernel(SplitKernel):
         sM = storage.row_max.get_tensor(cute.make_layout((WARPS, 16), stride=(16, 1)))
         sL = storage.row_sum.get_tensor(cute.make_layout((WARPS, 16), stride=(16, 1)))
 
-        # ---- the split's key range, from the live length (device-side) ----
+        # ---- the split's key range, from the live length (device-side); its first page ids read beside it ----
+        pt_row, k_base, v_base, atom = self._sources(pt_ptr, pt_sb, num_pages, k_ptr, v_ptr, k_sh, v_sh, b, h)
+        guess = self._guess_pages(pt_row, cap, tidx)
         length, start, s_lo, s_hi, n_tiles = self._split_range(seqlens_ptr, kv_start_ptr, has_kv_start, window_left,
                                                                split, b, cap)
         k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h, sm_scale, b, h)
@@ -121,8 +123,6 @@ class MmaSplitKernel(SplitKernel):
                     x0 = Float32(q_rows[off])
                     x1 = Float32(q_rows[off + 1])
                 qa[ks, reg] = _pack2(x0, x1, bf16=BF)
-
-        pt_row, k_base, v_base, atom = self._sources(pt_ptr, pt_sb, num_pages, k_ptr, v_ptr, k_sh, v_sh, b, h)
 
         acc = cute.make_rmem_tensor((NTILES, 4), Float32)
         for nt in cutlass.range_constexpr(NTILES):
@@ -147,11 +147,14 @@ class MmaSplitKernel(SplitKernel):
         if const_expr(self.causal):
             full_hi = cutlass.min(s_hi, length - S + 1)
 
+        # page ids a tile ahead of their fill (`_tile_pages`): the prologue's tiles' and the first fill's together
+        pages = self._first_pages(guess, pt_row, s_lo, s_hi, tidx)
         for st in cutlass.range_constexpr(NS - 1):
             if st < n_tiles:
                 self._fill(k_base, v_base, pt_row, sK, sV, atom, s_lo + st * TILE_N, s_hi, Int32(st), tidx, h,
-                           k_sp, k_so, v_sp, v_so, tiles)
+                           k_sp, k_so, v_sp, v_so, tiles, pages[st])
             self._commit()
+        next_pages = pages[NS - 1]
 
         for it in cutlass.range(n_tiles, unroll=1):
             stage = ring_slot(it, NS)[0]
@@ -159,8 +162,9 @@ class MmaSplitKernel(SplitKernel):
             nxt = it + NS - 1
             if nxt < n_tiles:
                 self._fill(k_base, v_base, pt_row, sK, sV, atom, s_lo + nxt * TILE_N, s_hi, ring_slot(nxt, NS)[0], tidx, h,
-                           k_sp, k_so, v_sp, v_so, tiles)
+                           k_sp, k_so, v_sp, v_so, tiles, next_pages)
             self._commit()
+            next_pages = self._tile_pages(pt_row, s_lo + (nxt + 1) * TILE_N, s_hi, tidx)
             key0 = warp * KW  # this warp's keys of the tile
             kbase = stage * (TILE_N * D)
             vbase = NS * TILE_N * D + stage * (TILE_N * D)
