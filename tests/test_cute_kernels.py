@@ -323,11 +323,14 @@ def test_gpu_cute_matches_reference(name, kw, options, variant):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant,sms", [(v, 0) for v in VARIANTS] + [("tensorcore", 1)])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, F8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("q_len", [1, 4], ids=["decode", "verify"])
-def test_gpu_cute_cuda_graph_replay(q_len, kv_dtype, variant):
-    """Capture once; poison the outputs, change lengths and page tables in place, replay, compare."""
+def test_gpu_cute_cuda_graph_replay(q_len, kv_dtype, variant, sms, monkeypatch):
+    """Capture once; poison the outputs, change lengths and page tables in place, replay, compare. sms 1: the
+    persistent tensor-core kernel on 2 CTAs (as on one SM), so each replay's CTAs take many items, of other key
+    counts than at capture."""
+    _few_ctas(monkeypatch, sms)
     kw = dict(batch=3, q_len=q_len, hq=16, hkv=4, d=128, page_size=16, lens=[500, 260, 70], spare_pages=4,
               kv_dtype=kv_dtype, descale="bh" if kv_dtype == F8 else None)
     t = make_inputs(**kw, device="cuda", seed=7)
@@ -339,6 +342,25 @@ def test_gpu_cute_cuda_graph_replay(q_len, kv_dtype, variant):
         call()
     replay_with_new_lengths(graph, t, out, lse, lambda step: check_close(
         out, lse, *_reference(t, options), what=f"cute q_len {q_len} replay {step}"), scratch=call.scratch)
+
+
+@pytest.mark.gpu
+@needs_cute
+@pytest.mark.parametrize("variant,sms", [("tensorcore", 1), ("tensorcore_n128", 3)])
+@pytest.mark.parametrize("name,kw,options", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_cute_decode_mma_persistent_ctas_take_many_items(name, kw, options, variant, sms, monkeypatch):
+    """The persistent tensor-core kernel as on a GPU of 1 and 3 SMs (2 and 6 CTAs): every CTA takes many
+    (split, KV head, request) items in turn, its ring loading each next item's first tiles under the current
+    one's last, items without keys (requests of length 0, splits past a request's end) among them."""
+    if kw["d"] > 128:
+        pytest.skip("the tensor-core kernel takes D <= 128")
+    _few_ctas(monkeypatch, sms)
+    options = dict(options, kv_layout=kw.get("kv_layout", "NHD"))
+    t = make_inputs(**kw, device="cuda", seed=zlib.crc32(name.encode()) % 1000 + sms)
+    out, lse, plan, _ = run_family(t, options, "cute", overrides=VARIANTS[variant])
+    torch.cuda.synchronize()
+    assert plan.family == "cute" and plan.block_m == 16
+    check_close(out, lse, *_reference(t, options), what=f"{name} {plan} sms={sms}")
 
 
 @pytest.mark.gpu
@@ -477,9 +499,9 @@ def test_gpu_cute_extend_matches_reference(name, kw, options, variant):
 
 
 def _few_ctas(monkeypatch, ctas: int) -> None:
-    """The extend kernel runs as if the GPU had `ctas` SMs: its persistent CTAs (one per SM) then take many
-    work items each, so the ring, its barrier phases and the GEMM turns run on across items (0: the GPU's own
-    count)."""
+    """The persistent kernels run as if the GPU had `ctas` SMs: their CTAs (extend: one per SM; the tensor-core
+    split kernel: two) then take many work items each, so the ring, its barrier phases and the GEMM turns run
+    on across items (0: the GPU's own count)."""
     from b12x_inductor.kernels import cute
 
     if ctas:

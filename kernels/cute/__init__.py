@@ -234,8 +234,9 @@ def _cutlass_dtype(dtype):
 @functools.cache
 def _compiled(key):
     """The compiled split kernel for one key (d, s, g, hkv, page, num_splits, block_m, block_n, stages, warps,
-    q dtype, kv dtype, causal, use_window, use_softcap): block_m 16 is the tensor-core kernel (decode_mma.py),
-    1 the CUDA-core one (decode.py). cute.compile also keeps it in the DSL's file cache."""
+    q dtype, kv dtype, causal, use_window, use_softcap, sm_count): block_m 16 is the tensor-core kernel
+    (decode_mma.py, persistent: its grid is two CTAs an SM), 1 the CUDA-core one (decode.py). cute.compile also
+    keeps it in the DSL's file cache."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
     from cutlass.cute.runtime import make_ptr
@@ -244,12 +245,12 @@ def _compiled(key):
     from .decode_mma import MmaSplitKernel
 
     (d, s, g, hkv, page, splits, block_m, tile_n, stages, warps, q_dtype, kv_dtype, causal, use_window,
-     use_softcap) = key
+     use_softcap, sm_count) = key
     qt, kvt = _cutlass_dtype(q_dtype), _cutlass_dtype(kv_dtype)
     kernel_class = MmaSplitKernel if block_m == MMA_M else SplitKernel
     kernel = kernel_class(d=d, s=s, g=g, hkv=hkv, page=page, num_splits=splits, tile_n=tile_n, stages=stages,
                           num_warps=warps, q_dtype=qt, kv_dtype=kvt, causal=causal, use_window=use_window,
-                          use_softcap=use_softcap)
+                          use_softcap=use_softcap, sm_count=sm_count)
     gmem = cute.AddressSpace.gmem
 
     def ptr(dt, align=4):
@@ -267,7 +268,7 @@ def _key(shapes, plan: dict, options: dict) -> tuple:
             plan["num_splits"], plan["block_m"], plan["block_n"], plan["num_stages"], plan["num_warps"],
             shapes["q_dtype"],
             shapes["kv_dtype"], bool(options["causal"]) and shapes["q_len"] > 1, int(options["window_left"]) >= 0,
-            softcap > 0)
+            softcap > 0, shapes["sm_count"])
 
 
 def _check_aligned(name: str, t: torch.Tensor, elems: int) -> None:
@@ -476,7 +477,8 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     layout = options["kv_layout"]
     batch, s, hq, d = q.shape
     page, hkv = cache_dims(k_cache.shape, layout)
-    shapes = dict(d=d, q_len=s, hq=hq, hkv=hkv, page_size=page, q_dtype=q.dtype, kv_dtype=k_cache.dtype)
+    shapes = dict(d=d, q_len=s, hq=hq, hkv=hkv, page_size=page, q_dtype=q.dtype, kv_dtype=k_cache.dtype,
+                  sm_count=device_facts(q.device)[0])
     _check_aligned("k_cache", k_cache, d)
     _check_aligned("v_cache", v_cache, d)
     compiled = _compiled(_key(shapes, plan, options))

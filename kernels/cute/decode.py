@@ -57,7 +57,8 @@ class SplitKernel:
     GEOMETRY = staticmethod(geometry)  # the thread geometry function of this kernel (kernels/cute/__init__.py)
 
     def __init__(self, *, d: int, s: int, g: int, hkv: int, page: int, num_splits: int, tile_n: int, stages: int,
-                 num_warps: int, q_dtype, kv_dtype, causal: bool, use_window: bool, use_softcap: bool):
+                 num_warps: int, q_dtype, kv_dtype, causal: bool, use_window: bool, use_softcap: bool,
+                 sm_count: int):
         # TMA for whole tiles where a key's row is one 128-byte swizzle row (float8 D 128, 16-bit D 64) and the
         # page geometry allows (tma_box); 0: every tile by cp.async
         self.box = tma_box(page=page, tile_n=tile_n) if d * kv_dtype.width == 1024 else 0
@@ -69,6 +70,7 @@ class SplitKernel:
         self.s, self.g, self.hkv, self.page, self.num_splits = s, g, hkv, page, num_splits
         self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
         self.causal, self.use_window, self.use_softcap = causal, use_window, use_softcap
+        self.sm_count = sm_count
 
     @cute.jit
     def __call__(
@@ -89,11 +91,14 @@ class SplitKernel:
             tma_v, m_v = tma.cache_tma(v_ptr, v_pages, v_sp, v_so, v_sh, **geo)
         self.kernel(
             q_ptr, k_ptr, v_ptr, pt_ptr, seqlens_ptr, kv_start_ptr, kds_ptr, vds_ptr, part_o_ptr, part_l_ptr,
-            sinks_ptr, q_sb, q_ss, q_sh, k_sp, k_so, k_sh, v_sp, v_so, v_sh, pt_sb, kds_b, kds_h, vds_b, vds_h,
-            has_kv_start, has_kds, has_vds, has_sinks, window_left, sm_scale, softcap, max_pages * self.page, k_pages,
-            tma_k, m_k, tma_v, m_v,
-        ).launch(grid=(self.num_splits, self.hkv, batch), block=(self.threads, 1, 1), smem=self.smem_bytes,
-                 stream=stream)
+            sinks_ptr, batch, q_sb, q_ss, q_sh, k_sp, k_so, k_sh, v_sp, v_so, v_sh, pt_sb, kds_b, kds_h, vds_b,
+            vds_h, has_kv_start, has_kds, has_vds, has_sinks, window_left, sm_scale, softcap, max_pages * self.page,
+            k_pages, tma_k, m_k, tma_v, m_v,
+        ).launch(grid=self._grid(batch), block=(self.threads, 1, 1), smem=self.smem_bytes, stream=stream)
+
+    def _grid(self, batch: Int32):
+        """The launch grid: one CTA per (split, KV head, request)."""
+        return (self.num_splits, self.hkv, batch)
 
     @cute.jit
     def _load_tile(self, k_base: Int64, v_base: Int64, pt_row: PageRow, sK: cute.Tensor, sV: cute.Tensor,
@@ -283,7 +288,7 @@ class SplitKernel:
     def kernel(
         self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, pt_ptr: cute.Pointer,
         seqlens_ptr: cute.Pointer, kv_start_ptr: cute.Pointer, kds_ptr: cute.Pointer, vds_ptr: cute.Pointer,
-        part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer, sinks_ptr: cute.Pointer,
+        part_o_ptr: cute.Pointer, part_l_ptr: cute.Pointer, sinks_ptr: cute.Pointer, batch: Int32,
         q_sb: Int64, q_ss: Int64, q_sh: Int64, k_sp: Int64, k_so: Int64, k_sh: Int64,
         v_sp: Int64, v_so: Int64, v_sh: Int64, pt_sb: Int64,
         kds_b: Int32, kds_h: Int32, vds_b: Int32, vds_h: Int32,

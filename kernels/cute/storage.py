@@ -25,7 +25,7 @@ Align = cute.struct.Align
 
 
 def _split_ring(*, d: int, kv_bits: int, tile_n: int, stages: int, partial_elems: int):
-    """The split kernels' K/V ring: `stages` K tiles then `stages` V tiles of tile_n x d kv_bits-wide elements
+    """decode.py's K/V ring: `stages` K tiles then `stages` V tiles of tile_n x d kv_bits-wide elements
     (viewed in the cache's dtype by the kernel), and after the last tile the same bytes reused for
     `partial_elems` fp32 values of the epilogue's reduction."""
 
@@ -62,15 +62,20 @@ def split_storage(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, 
 
 @functools.cache
 def mma_storage(*, d: int, kv_bits: int, tile_n: int, stages: int, warps: int, tma: bool):
-    """decode_mma.py's shared memory: the ring (its reduction: each warp's 16 x d partial output), with TMA
-    one mbarrier per stage, and each warp's 16 row maxima and sums."""
-    ring_type = _split_ring(d=d, kv_bits=kv_bits, tile_n=tile_n, stages=stages, partial_elems=warps * 16 * d)
+    """decode_mma.py's shared memory: the ring, with TMA one mbarrier per stage, each warp's 16 x d partial
+    output of an item's epilogue (beside the ring, which holds the CTA's next item's first tiles by then), and
+    each warp's 16 row maxima and sums."""
+
+    @cute.struct
+    class Ring:
+        kv: MemRange[{8: Uint8, 16: Uint16}[kv_bits], 2 * stages * tile_n * d]
 
     @cute.struct
     class SharedStorage:
-        ring: Align[ring_type, 1024]
+        ring: Align[Ring, 1024]
         if tma:
             mbar: MemRange[Int64, stages]
+        partials: Align[MemRange[Float32, warps * 16 * d], 16]
         row_max: Align[MemRange[Float32, warps * 16], 16]
         row_sum: Align[MemRange[Float32, warps * 16], 16]
 
