@@ -37,9 +37,12 @@ def test_cute_mma_and_extend_storage():
     from b12x_inductor.kernels.cute import SMEM_LIMIT, extend_geometry, mma_geometry
 
     geo = mma_geometry(d=128, rows=4, kv_bits=8, tile_n=128, stages=2, num_warps=4, tma=True)
-    # the warps' partial outputs beside the ring (it holds the CTA's next item's tiles): two CTAs an SM
-    assert geo["storage"]._offsets == dict(ring=0, mbar=65536, partials=65552, row_max=98320, row_sum=98576)
-    assert geo["smem_bytes"] == geo["storage"].size_in_bytes() == 99328
+    # the warps' partial outputs of the 4 live rows beside the ring (it holds the CTA's next item's tiles)
+    assert geo["storage"]._offsets == dict(ring=0, mbar=65536, partials=65552, row_max=73744, row_sum=74000)
+    assert geo["smem_bytes"] == geo["storage"].size_in_bytes() == 74752
+    # a third stage: still two CTAs an SM (228 KB, 1 KB of it reserved a CTA)
+    geo = mma_geometry(d=128, rows=4, kv_bits=8, tile_n=128, stages=3, num_warps=4, tma=True)
+    assert geo["smem_bytes"] == geo["storage"].size_in_bytes() == 107520
     for d, stages in ((64, 4), (128, 3)):
         geo = extend_geometry(d=d, tile_n=128, stages=stages)
         storage = geo["storage"]

@@ -133,7 +133,7 @@ def mma_geometry(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, n
         return None
     from .storage import mma_storage
 
-    storage = mma_storage(d=d, kv_bits=kv_bits, tile_n=tile_n, stages=stages, warps=num_warps, tma=tma)
+    storage = mma_storage(d=d, rows=rows, kv_bits=kv_bits, tile_n=tile_n, stages=stages, warps=num_warps, tma=tma)
     smem_bytes = storage.size_in_bytes()
     if smem_bytes > SMEM_LIMIT:
         return None

@@ -96,7 +96,7 @@ class MmaSplitKernel(SplitKernel):
         KW = const_expr(self.keys_per_warp)  # keys of each tile per warp: KW / 8 S n-tiles, KW / 16 P V k-steps
         BF = const_expr(self.bf16_ops)
 
-        # ---- shared memory: the K/V ring (later: the warps' partial outputs), the warps' row stats ----
+        # ---- shared memory: the K/V ring, the warps' partial outputs and row stats (storage.mma_storage) ----
         ring_raw, sK, sV, tiles = self._ring(storage, tidx, tma_k, m_k, tma_v, m_v)
         if const_expr(self.fp8):  # 32-bit words: K's 16-byte chunks, V's pieces of D / 8 bytes (the docstring)
             words = cute.recast_ptr(ring_raw, dtype=Uint32)
@@ -350,7 +350,7 @@ class MmaSplitKernel(SplitKernel):
                      sinks_ptr: cute.Pointer, has_sinks: Int32, v_scale: Float32, tidx: Int32, b: Int32, h: Int32,
                      split: Int32):
         """The split's epilogue: the warps' row stats and partial outputs merged through shared memory (the
-        partial outputs in `partials`, the K/V ring reused) and each row's elements written by `_emit`."""
+        live rows' partial outputs in `partials`, beside the ring) and each row's elements written by `_emit`."""
         warp = tidx // 32
         lane = tidx % 32
         gq = lane // 4
@@ -367,12 +367,14 @@ class MmaSplitKernel(SplitKernel):
             if tq == 0:
                 sM[warp, gq + 8 * i] = m_run[i]
                 sL[warp, gq + 8 * i] = l_tot
-        red = cute.make_tensor(partials, cute.make_layout((WARPS, 16, D), stride=(16 * D, D, 1)))
+        red = cute.make_tensor(partials, cute.make_layout((WARPS, R, D), stride=(R * D, D, 1)))  # live rows
         for nt in cutlass.range_constexpr(NTILES):
             for c in cutlass.range_constexpr(4):
                 j = 2 * tq + c % 2  # the fragment's column of n-tile nt: value column (D/8) j + nt for fp8
                 col = NTILES * j + nt if const_expr(self.fp8) else nt * 8 + j
-                red[warp, gq + 8 * (c // 2), col] = acc[nt, c]
+                if const_expr(8 * (c // 2) < R):  # (rows gq + 8 are all dead where R <= 8)
+                    if gq + 8 * (c // 2) < R:
+                        red[warp, gq + 8 * (c // 2), col] = acc[nt, c]
         cute.arch.barrier()
         part_o = cute.make_tensor(part_o_ptr, cute.make_layout((1 << 30,)))
         part_l = cute.make_tensor(part_l_ptr, cute.make_layout((1 << 30,)))

@@ -61,10 +61,10 @@ def split_storage(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, 
 
 
 @functools.cache
-def mma_storage(*, d: int, kv_bits: int, tile_n: int, stages: int, warps: int, tma: bool):
-    """decode_mma.py's shared memory: the ring, with TMA one mbarrier per stage, each warp's 16 x d partial
-    output of an item's epilogue (beside the ring, which holds the CTA's next item's first tiles by then), and
-    each warp's 16 row maxima and sums."""
+def mma_storage(*, d: int, rows: int, kv_bits: int, tile_n: int, stages: int, warps: int, tma: bool):
+    """decode_mma.py's shared memory: the ring, with TMA one mbarrier per stage, each warp's rows x d partial
+    output of an item's epilogue (the live rows of its m16 tile, beside the ring, which holds the CTA's next
+    item's first tiles by then), and each warp's 16 row maxima and sums."""
 
     @cute.struct
     class Ring:
@@ -75,7 +75,7 @@ def mma_storage(*, d: int, kv_bits: int, tile_n: int, stages: int, warps: int, t
         ring: Align[Ring, 1024]
         if tma:
             mbar: MemRange[Int64, stages]
-        partials: Align[MemRange[Float32, warps * 16 * d], 16]
+        partials: Align[MemRange[Float32, warps * rows * d], 16]
         row_max: Align[MemRange[Float32, warps * 16], 16]
         row_sum: Align[MemRange[Float32, warps * 16], 16]
 
