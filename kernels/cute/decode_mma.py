@@ -5,8 +5,9 @@ Persistent: at most two CTAs an SM (`ctas`, the split rule's target), CTA c taki
 CTA's items: its loads stay NS - 1 tiles ahead of the products, so the next item's first tiles (items without
 keys skipped) are loaded under the current item's last, and an item's start (its length, page ids and first
 tiles) is not on the products' path, as it is for a CTA that takes one item (at 512 and 1024 such CTAs float8
-decode had run 6 and 10 % slower than at 256 on the same bytes; h200.md, "Session 66"). The warps' partial
-outputs are merged beside the ring (storage.mma_storage).
+decode had run 6 and 10 % slower than at 256 on the same bytes; h200.md, "Session 66"). Its query elements are
+read one item ahead too, into registers, and become A fragments at its start (`_read_q`). The warps' partial
+outputs of the live rows are merged beside the ring (storage.mma_storage).
 
 The query rows of one KV head (at most 16: S x G) fill one m16 tile; each of the CTA's warps takes its own
 16 or 32 keys of every tile and keeps its own online softmax, so warps meet only at the one barrier that
@@ -128,29 +129,23 @@ class MmaSplitKernel(SplitKernel):
                 ppages = self._item_pages(src, pk, ps_lo + pt * TILE_N, ps_hi)
             self._commit()
 
+        # ---- q rows: each item's elements read one item ahead (`_read_q`), so their loads are not on the
+        # products' path; at an item's start they become its A fragments (registers), zero past the R live rows
+        q_src = (q_ptr, q_sb, q_ss, q_sh)
+        q_raw = cute.make_rmem_tensor((KSTEPS, 4, 2), self.q_dtype)
+        self._read_q(q_src, cta, q_raw, gq, tq)
         used = Int32(0)  # ring tiles consumed: tile it of the current item is ring tile used
         for k in cutlass.range(cta, items, self.ctas, unroll=1):
             split, h, b = self._item(k)
             length, start, s_lo, s_hi, n_tiles = self._split_range(seqlens_ptr, kv_start_ptr, has_kv_start,
                                                                    window_left, split, b, cap)
             k_scale, v_scale = scales(kds_ptr, vds_ptr, has_kds, has_vds, kds_b, kds_h, vds_b, vds_h, sm_scale, b, h)
-
-            # ---- q rows -> A fragments (registers), zero past the R live rows ----
-            q_rows = cute.make_tensor(q_ptr, cute.make_layout((1 << 30,)))
             qa = cute.make_rmem_tensor((KSTEPS, 4), Uint32)
             for ks in cutlass.range_constexpr(KSTEPS):
                 for reg in cutlass.range_constexpr(4):
-                    r = gq + 8 * (reg % 2)
-                    col = ks * 16 + 2 * tq + 8 * (reg // 2)
-                    x0 = Float32(0.0)
-                    x1 = Float32(0.0)
-                    if const_expr(self.fp8):  # the float8 tile's column order (the docstring)
-                        col = (D // 4) * tq + 4 * ks + 2 * (reg // 2)
-                    if r < R:
-                        off = Int64(b) * q_sb + Int64(r // G) * q_ss + Int64(h * G + r % G) * q_sh + Int64(col)
-                        x0 = Float32(q_rows[off])
-                        x1 = Float32(q_rows[off + 1])
-                    qa[ks, reg] = _pack2(x0, x1, bf16=BF)
+                    qa[ks, reg] = _pack2(Float32(q_raw[ks, reg, 0]), Float32(q_raw[ks, reg, 1]), bf16=BF)
+            if k + self.ctas < items:
+                self._read_q(q_src, k + self.ctas, q_raw, gq, tq)
 
             acc = cute.make_rmem_tensor((NTILES, 4), Float32)
             for nt in cutlass.range_constexpr(NTILES):
@@ -327,6 +322,29 @@ class MmaSplitKernel(SplitKernel):
             pk, ps_lo, ps_hi, pn = self._loaded_item(pk + self.ctas, items, rng)
             pt = Int32(0)
         return pk, pt, ps_lo, ps_hi, pn
+
+    @cute.jit
+    def _read_q(self, q_src, k: Int32, q_raw: cute.Tensor, gq: Int32, tq: Int32):
+        """Item k's query elements of this thread's A fragments into q_raw (k-step, register, element), zeros
+        past the R live rows (q_src: `kernel`'s q pointer and strides)."""
+        q_ptr, q_sb, q_ss, q_sh = q_src
+        D = const_expr(self.d)
+        G = const_expr(self.g)
+        R = const_expr(self.rows)
+        _, h, b = self._item(k)
+        q_rows = cute.make_tensor(q_ptr, cute.make_layout((1 << 30,)))
+        for ks in cutlass.range_constexpr(D // 16):
+            for reg in cutlass.range_constexpr(4):
+                r = gq + 8 * (reg % 2)
+                col = ks * 16 + 2 * tq + 8 * (reg // 2)
+                if const_expr(self.fp8):  # the float8 tile's column order (the docstring)
+                    col = (D // 4) * tq + 4 * ks + 2 * (reg // 2)
+                q_raw[ks, reg, 0] = q_raw.element_type(0.0)
+                q_raw[ks, reg, 1] = q_raw.element_type(0.0)
+                if r < R:
+                    off = Int64(b) * q_sb + Int64(r // G) * q_ss + Int64(h * G + r % G) * q_sh + Int64(col)
+                    q_raw[ks, reg, 0] = q_rows[off]
+                    q_raw[ks, reg, 1] = q_rows[off + 1]
 
     @cute.jit
     def _item_pages(self, src, pk: Int32, tile_lo: Int32, s_hi: Int32):
