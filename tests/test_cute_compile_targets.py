@@ -42,7 +42,6 @@ def _cases():
         grid.append((dict(head_dim=d, page_size=page, kv_dtype=F8 if fp8 else torch.bfloat16), {}))
     for d, page, fp8 in itertools.product((64, 128), (16, 64), (False, True)):
         grid.append((dict(head_dim=d, page_size=page, kv_dtype=F8 if fp8 else torch.bfloat16), dict(block_m=16)))
-    grid.append((dict(page_size=64, kv_dtype=F8), dict(block_m=16, block_n=128, num_stages=3)))  # three stages
     for page, fp8 in itertools.product((16, 64), (False, True)):
         grid.append((dict(q_len=4, page_size=page, kv_dtype=F8 if fp8 else torch.float16, q_dtype=torch.float16), {}))
     for d, page, packed in itertools.product((64, 128), (1, 16, 64), (False, True)):

@@ -303,8 +303,7 @@ def _reference(t, options):
 
 
 # the family's two kernels: CUDA-core products (decode.py) and tensor-core products (decode_mma.py, D <= 128)
-VARIANTS = {"cudacore": {}, "tensorcore": dict(block_m=16), "tensorcore_n128": dict(block_m=16, block_n=128),
-            "tensorcore_s3": dict(block_m=16, block_n=128, num_stages=3)}
+VARIANTS = {"cudacore": {}, "tensorcore": dict(block_m=16), "tensorcore_n128": dict(block_m=16, block_n=128)}
 
 
 @pytest.mark.gpu
@@ -347,13 +346,12 @@ def test_gpu_cute_cuda_graph_replay(q_len, kv_dtype, variant, sms, monkeypatch):
 
 @pytest.mark.gpu
 @needs_cute
-@pytest.mark.parametrize("variant,sms", [("tensorcore", 1), ("tensorcore_n128", 3), ("tensorcore_s3", 2)])
+@pytest.mark.parametrize("variant,sms", [("tensorcore", 1), ("tensorcore_n128", 3)])
 @pytest.mark.parametrize("name,kw,options", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_cute_decode_mma_persistent_ctas_take_many_items(name, kw, options, variant, sms, monkeypatch):
-    """The persistent tensor-core kernel as on a GPU of 1, 3 and 2 SMs (2, 6 and 4 CTAs; the last with three
-    ring stages, two tiles loading ahead): every CTA takes many (split, KV head, request) items in turn, its ring
-    loading each next item's first tiles under the current one's last, items without keys (requests of length 0,
-    splits past a request's end) among them."""
+    """The persistent tensor-core kernel as on a GPU of 1 and 3 SMs (2 and 6 CTAs): every CTA takes many
+    (split, KV head, request) items in turn, its ring loading each next item's first tiles under the current
+    one's last, items without keys (requests of length 0, splits past a request's end) among them."""
     if kw["d"] > 128:
         pytest.skip("the tensor-core kernel takes D <= 128")
     _few_ctas(monkeypatch, sms)
