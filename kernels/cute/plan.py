@@ -1,19 +1,19 @@
 """The CuTe DSL family's plans and where select_plan prefers it over Triton (pure functions of the Problem).
 
-Decode/verify: one CTA per (request, KV head, split) with all S x G query rows and a ring of `num_stages` tiles of
-`block_n` keys. block_m 1 selects the CUDA-core kernel (decode.py), 16 (MMA_M) the tensor-core one (decode_mma.py),
-which takes float8 decode where at most two splits of MMA_MIN_SPLIT_KEYS keys or more make two CTAs an SM; the
-split counts are the Triton family's rule with this family's constants (decode_tile). Extend: 128 query rows (two
-consumer warpgroups) and a producer warpgroup, 128-key tiles (48 or 32 at D 256), as many stages as shared memory
-holds (extend_tiles, extend_geometry), persistent CTAs (one per SM); 192 rows (three consumers) at D 64 where its
-rounds of CTAs cost less (extend_rows). Absorbed MLA decode/verify (block_m 64): 64 query rows per CTA, splits for
-about one CTA per SM (MLA_SPLITS); the seesaw kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query
-rows or more per request with long splits (mla_plan), else mla.py (4 stages of 32 keys); a float8 latent cache on
-mla.py, or on the narrow kernel (mla_narrow.py, block_m 16: products transposed, 5 stages of 64 keys) where a
-request has at most 16 query rows; two splits merge in their cluster (mla_cluster_merge), more in the merge kernel.
-The choices and the measurements behind them: benchmarks/results/h200.md, "CuTe DSL kernels", "Session 27",
-"Session 29", "Session 33", "Session 34", "Session 36", "Session 38", "Session 55", "Session 56", "Session 57" and
-"Session 66".
+Decode/verify: one CTA (decode.py) or work item of a persistent CTA (decode_mma.py) per (request, KV head, split)
+with all S x G query rows and a ring of `num_stages` tiles of `block_n` keys. block_m 1 selects the CUDA-core
+kernel (decode.py), 16 (MMA_M) the tensor-core one, which takes float8 decode where at most two splits of
+MMA_MIN_SPLIT_KEYS keys or more make two items an SM; the split counts are the Triton family's rule with this
+family's constants (decode_tile). Extend: 128 query rows (two consumer warpgroups) and a producer warpgroup,
+128-key tiles (48 or 32 at D 256), as many stages as shared memory holds (extend_tiles, extend_geometry),
+persistent CTAs (one per SM); 192 rows (three consumers) at D 64 where its rounds of CTAs cost less (extend_rows).
+Absorbed MLA decode/verify (block_m 64): 64 query rows per CTA, splits for about one CTA per SM (MLA_SPLITS); the
+seesaw kernel (mla_seesaw.py, two 64-key tiles, num_warps 8) for 128 query rows or more per request with long
+splits (mla_plan), else mla.py (4 stages of 32 keys); a float8 latent cache on mla.py, or on the narrow kernel
+(mla_narrow.py, block_m 16: products transposed, 5 stages of 64 keys) where a request has at most 16 query rows;
+two splits merge in their cluster (mla_cluster_merge), more in the merge kernel. The choices and the measurements
+behind them: benchmarks/results/h200.md, "CuTe DSL kernels", "Session 27", "Session 29", "Session 33",
+"Session 34", "Session 36", "Session 38", "Session 55", "Session 56", "Session 57", "Session 66" and "Session 68".
 """
 
 from __future__ import annotations
@@ -122,15 +122,15 @@ def _plan(problem: Problem) -> Plan:
 
 
 def decode_tile(problem: Problem) -> tuple[int, dict]:
-    """(splits, tile) of GQA decode / verify, one CTA per (request, KV head, split). Float8 decode at D <= 128
-    takes the tensor-core kernel (decode_mma.py, MMA_TILE) where at most two splits of MMA_MIN_SPLIT_KEYS keys or
-    more bring the CTAs to two an SM: its CTAs (three an SM by shared memory and registers) each pay a fixed cost
-    that more, shorter splits multiply. Everything else takes the CUDA-core kernel (decode.py, TILE), split for
-    about four CTAs an SM (CUTE_SPLITS). Float8 on the H100 (h200.md, "Session 66"): 32x4096 unsplit 95.7 us
-    against 106.5 at 4 splits; 16x16384 at 2 splits 185.7 against 191.1 at 8 and 202.0 at 4; 8x8192 on decode.py
-    at 8 splits 52.6 against 54.5 for 4 tensor-core splits and 62.4 for decode.py at 16; decode.py also ahead
-    where few requests cannot make two tensor-core CTAs an SM (1x2048, 1x8192, 4x4096, 8x2048: 1.02-1.10x the
-    fastest tensor-core split count measured)."""
+    """(splits, tile) of GQA decode / verify, one CTA or item per (request, KV head, split). Float8 decode at D 64
+    or 128 takes the tensor-core kernel (decode_mma.py, MMA_TILE) where at most two splits of MMA_MIN_SPLIT_KEYS
+    keys or more bring the items to two an SM: its items (taken in turn by persistent CTAs, two an SM) each pay a
+    fixed cost that more, shorter splits multiply. Everything else takes the CUDA-core kernel (decode.py, TILE),
+    split for about four CTAs an SM (CUTE_SPLITS). Float8 on the H100 (h200.md, "Session 66"): 32x4096 unsplit 95.7
+    us against 106.5 at 4 splits; 16x16384 at 2 splits 185.7 against 191.1 at 8 and 202.0 at 4; 8x8192 on decode.py
+    at 8 splits 52.6 against 54.5 for 4 tensor-core splits and 62.4 for decode.py at 16; decode.py also ahead where
+    few requests cannot make two tensor-core CTAs an SM (1x2048, 1x8192, 4x4096, 8x2048: 1.02-1.10x the fastest
+    tensor-core split count measured)."""
     programs = problem.batch * problem.num_kv_heads
     if problem.mode == "decode" and problem.kv_dtype == FP8 and problem.head_dim <= 128:
         splits = split_count(problem, programs, **MMA_SPLITS)
