@@ -200,8 +200,8 @@ class MmaSplitKernel(SplitKernel):
                             bregs[0], bregs[1] = _e4m3x4_to_f16x4(kx[ks // 4, ks % 4])
                         else:
                             for half in cutlass.range_constexpr(2):
-                                k = ks * 16 + 2 * tq + 8 * half
-                                e = kbase + n * D + (((k // VEC) ^ sw) * VEC) + k % VEC
+                                kc = ks * 16 + 2 * tq + 8 * half  # the k-step's column
+                                e = kbase + n * D + (((kc // VEC) ^ sw) * VEC) + kc % VEC
                                 bregs[half] = k32[e // 2]
                         out4 = _mma(qa[ks, 0], qa[ks, 1], qa[ks, 2], qa[ks, 3], bregs[0], bregs[1],
                                     sacc[t, 0], sacc[t, 1], sacc[t, 2], sacc[t, 3], bf16=BF)
