@@ -246,3 +246,30 @@ def test_device_tag_names_results_after_the_device():
 
     assert device_tag("NVIDIA H200") == "h200" and device_tag("NVIDIA H100 80GB HBM3") == "h100"
     assert device_tag("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090" and device_tag("cpu") == "cpu"
+
+
+@pytest.mark.gpu
+def test_gpu_time_graph(monkeypatch):
+    """time_graph on the GPU: calls that capture are timed from one CUDA graph, a call that cannot be captured
+    (it waits on the host) eagerly, and says so; each gives a positive time per call, and the calls do run in
+    the timed graph (each replay adds to a counter)."""
+    monkeypatch.setattr(kernels, "DEVICE", "cuda")
+    x = torch.randn(1 << 20, device="cuda")
+    hits = torch.zeros((), device="cuda")
+
+    def call():
+        torch.neg(x, out=x)
+        hits.add_(1)
+
+    us, method = kernels.time_graph([call, call], target_ms=0.5, replays=3)
+    assert method == "graph" and 0 < us < 1e4
+    ran = int(hits.item())
+    us2, _ = kernels.time_graph([call], target_ms=0.5, replays=3)
+    assert 0 < us2 < 1e4 and int(hits.item()) > ran + 3  # the timed replays ran the call
+
+    def syncs():
+        torch.neg(x, out=x)
+        x[0].item()  # a host wait: capture fails
+
+    us3, method3 = kernels.time_graph([syncs], target_ms=0.5, replays=3)
+    assert method3.startswith("eager") and us3 > 0

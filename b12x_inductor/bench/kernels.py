@@ -27,7 +27,8 @@ that cannot run a row's problem is recorded as "n/a: <reason>" (JSON entry {"na"
 never dropped. Each result is checked against the reference, window and sinks included (on two requests, or
 for extend the first and last query rows of one), before it is timed. Timing: one CUDA graph replays the call
 over rotating input sets whose touched bytes together exceed the 60 MB L2 (at most 64 sets; 2 in a CPU dry
-run), CUDA events, the median of the replays. The device copy bandwidth is measured in the same run.
+run), about 3 ms of GPU work a replay, each timed replay queued behind an untimed one (time_graph), CUDA
+events, the median of the replays. The device copy bandwidth is measured in the same run.
 Metrics: decode and verify rows report TB/s over the bytes a call must touch (K/V of the keys inside the
 window: min(L, window_left + S) keys a request, so min(L, window + 1) for decode; all L keys without a window;
 plus q read and out written), extend rows TFLOP/s over the causal triangle (with a window, the keys each query
@@ -304,7 +305,12 @@ def reference_check(refs, out, what):
 
 def time_graph(calls, target_ms=3.0, replays=15):
     """Median microseconds per call: the calls (one per rotating input set) captured in one CUDA graph,
-    repeated to about target_ms per replay, timed with events. Falls back to eager timing if capture fails."""
+    repeated to about target_ms of GPU time a replay, timed with events. Each timed replay is queued behind an
+    untimed one, so the stream never idles between the events: the host's launch latency, which a replay of a
+    few milliseconds would otherwise carry as a fixed share, stays outside them. The repeat count comes from
+    the GPU time of one captured pass over the calls, not from eager calls, whose host overhead differs from
+    one implementation to the next (a host-bound estimate gave fewer calls a replay, so a larger share of that
+    latency). Falls back to eager timing, the repeat count from eager calls, if capture fails."""
     for c in calls:
         c()
     if DEVICE == "cpu":
@@ -314,13 +320,27 @@ def time_graph(calls, target_ms=3.0, replays=15):
         return (time.perf_counter() - t0) * 1e6 / len(calls), "wall (cpu dry run)"
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for c in calls:
-        c()
-    end.record()
-    end.synchronize()
-    est_ms = max(start.elapsed_time(end) / len(calls), 1e-3)
-    inner = max(1, min(200, int(target_ms / (est_ms * len(calls)))))
+
+    def timed_ms(run):
+        run()  # untimed: the GPU is still on it while the timed run below is queued
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def repeats(est_ms):
+        return max(1, min(200, int(target_ms / (max(est_ms, 1e-3) * len(calls)))))
+
+    def capture(inner):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                for c in calls:
+                    c()
+        graph.replay()
+        return graph.replay
+
     method = "graph"
     try:
         side = torch.cuda.Stream()
@@ -329,29 +349,25 @@ def time_graph(calls, target_ms=3.0, replays=15):
             for c in calls:
                 c()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(inner):
-                for c in calls:
-                    c()
-        run = graph.replay
-        graph.replay()
+        once = capture(1)
+        inner = repeats(min(timed_ms(once) for _ in range(3)) / len(calls))
+        run = capture(inner) if inner > 1 else once
     except Exception as e:  # a peer that cannot be captured is timed eagerly (and says so)
         method = f"eager ({type(e).__name__})"
         torch.cuda.synchronize()
+        start.record()
+        for c in calls:
+            c()
+        end.record()
+        end.synchronize()
+        inner = repeats(start.elapsed_time(end) / len(calls))
 
         def run():
             for _ in range(inner):
                 for c in calls:
                     c()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (inner * len(calls)))
+    times = [timed_ms(run) * 1e3 / (inner * len(calls)) for _ in range(replays)]
     return statistics.median(times), method
 
 
