@@ -42,7 +42,9 @@ class Options:
                    softcap=float(softcap))
 
     def as_kwargs(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as the entry ops' keyword arguments: a shallow copy (the values are flat; dataclasses.asdict's
+        recursive copy was about 15 % of the eager op's own host time)."""
+        return dict(vars(self))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
