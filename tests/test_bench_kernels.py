@@ -99,6 +99,7 @@ def test_dry_run_main(cpu_bench, tmp_path):
     for label, r in rows.items():
         ours = r["impls"]["b12x"]
         assert ours["us"] > 0 and ours["max_err"] < 0.05 and ours["method"] == "wall (cpu dry run)", label
+        assert ours["host_us"] > 0, label
         assert set(r["shape"]) == {"hq", "hkv", "d", "page_size", "window_left", "sinks"}
         assert (r["batch"], r["kv_len"]) == (2, 256)
         sdpa = r["impls"]["sdpa"]

@@ -40,6 +40,7 @@ def test_dry_run_every_row(tmp_path, capsys):
     for r in doc["rows"]:
         ours = r["impls"]["b12x"]
         assert ours["us"] > 0 and ours["max_err"] < 0.05 and ours["tflops"] > 0 and ours["tbps"] > 0, r
+        assert ours["host_us"] > 0, r
         assert ours["plan"] == "torch 1:0:0 w0 m0", r  # the CPU family's plan (select_plan, as on the GPU)
         assert r["page_size"] == 16 and r["sets"] == 2
     assert doc["rows"][1]["q_len"] == 4 and doc["rows"][2]["kv_dtype"] == "float8_e4m3fn"

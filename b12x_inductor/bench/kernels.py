@@ -32,7 +32,9 @@ events, the median of the replays. The device copy bandwidth is measured in the 
 Metrics: decode and verify rows report TB/s over the bytes a call must touch (K/V of the keys inside the
 window: min(L, window_left + S) keys a request, so min(L, window + 1) for decode; all L keys without a window;
 plus q read and out written), extend rows TFLOP/s over the causal triangle (with a window, the keys each query
-sees). Prints a progress line per row, then writes JSON (each row with its model tag and shape) and a PNG chart.
+sees). Every timed cell also records host_us, the host time of one eager call (host_time; "host N us" on the
+printed line on a GPU): what a caller without CUDA graphs pays a call. Prints a progress line per row, then
+writes JSON (each row with its model tag and shape) and a PNG chart.
 
 Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8,models (default; also nosinks),
 --models gpt-oss,gemma,qwen2,llama3-70b (the model rows of these models only; default all),
@@ -369,6 +371,24 @@ def time_graph(calls, target_ms=3.0, replays=15):
     torch.cuda.synchronize()
     times = [timed_ms(run) * 1e3 / (inner * len(calls)) for _ in range(replays)]
     return statistics.median(times), method
+
+
+def host_time(calls, launches=100):
+    """Microseconds of host time an eager call takes: the calls in turn, about `launches` of them (once each on
+    the CPU), the clock stopped before the device sync. What a caller without CUDA graphs pays a call before
+    its work reaches the GPU; a call that waits on the device counts the wait. At a few hundred kernel
+    launches the launch queue takes them all without blocking the host."""
+    reps = 1 if DEVICE == "cpu" else max(1, launches // len(calls))
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        for c in calls:
+            c()
+    elapsed = time.perf_counter() - t0
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return elapsed * 1e6 / (reps * len(calls))
 
 
 def warm_peers(rows):
@@ -720,7 +740,8 @@ def run_row(row, peers, variants, bw, families=(), packed=False, packed_batch=0)
                 result["impls"][name] = entry
                 continue
             us, method = time_graph(calls)
-            entry.update(us=us, method=method, **row_metrics(shape, mode, batch, length, q_len, kv_dtype, us))
+            entry.update(us=us, method=method, host_us=host_time(calls),
+                         **row_metrics(shape, mode, batch, length, q_len, kv_dtype, us))
             if "tbps" in entry:
                 entry["pct_copy_bw"] = 100 * entry["tbps"] / bw
         except Unable as e:
@@ -733,7 +754,7 @@ def run_row(row, peers, variants, bw, families=(), packed=False, packed_batch=0)
     for n, e in result["impls"].items():
         if "us" in e:
             m = f"{e['tflops']:.0f} TFLOP/s" if "tflops" in e else f"{e['tbps']:.2f} TB/s {e['pct_copy_bw']:.0f}%"
-            parts.append(f"{n} {e['us']:.1f}us {m}")
+            parts.append(f"{n} {e['us']:.1f}us {m}" + (f" (host {e['host_us']:.0f}us)" if DEVICE == "cuda" else ""))
         elif "na" in e:
             parts.append(f"{n} {e['na']}")
         elif "error" in e:

@@ -22,7 +22,8 @@ call over rotating input sets that together exceed twice the L2, CUDA events, th
 the device copy bandwidth is measured in the same run. Metrics: FLOPs 2 x H x S x L x (576 + 512) a request
 (q.k over 576 columns, p.v over 512; verify counts all S x L pairs), bytes the latent cache read (B x L x
 576 x itemsize) plus q (576 a head and token, bf16) read and out (512) written; TFLOP/s, TB/s and the
-percentage of the copy bandwidth. The b12x cell also names its plan ("family splits:block_n:stages w<warps>
+percentage of the copy bandwidth; host_us, an eager call's host time (bench/kernels.py's host_time). The b12x
+cell also names its plan ("family splits:block_n:stages w<warps>
 m<block_m>", `plan_label`). Prints a progress line per row, then a markdown table, and writes JSON (versions,
 copy bandwidth, argv, rows) to DIR/mla_<tag>.json.
 
@@ -52,7 +53,7 @@ import time
 import torch
 
 from b12x_inductor.bench import device_tag, kernels, parse_sizes
-from b12x_inductor.bench.kernels import L2_BYTES, copy_bandwidth, log, reference_check, time_graph
+from b12x_inductor.bench.kernels import L2_BYTES, copy_bandwidth, host_time, log, reference_check, time_graph
 
 RANK, ROPE = 512, 64  # kv_lora_rank (the values, out's width) and the rope key: 576 values a token
 WIDTH = RANK + ROPE
@@ -361,7 +362,8 @@ def run_row(mode, batch, length, q_len, heads, kv_dtype, peers, variants, bw):
                 entry["kv_cache"] = f"separate contiguous ckv/kpe copies (on the views: {why})"
             del outs
             us, method = time_graph(calls)
-            entry.update(us=us, method=method, **row_metrics(batch, length, q_len, heads, kv_dtype, us))
+            entry.update(us=us, method=method, host_us=host_time(calls),
+                         **row_metrics(batch, length, q_len, heads, kv_dtype, us))
             if name == "b12x":
                 entry["plan"] = plan_label(sets[0])
             entry["pct_copy_bw"] = 100 * entry["tbps"] / bw
@@ -375,7 +377,8 @@ def run_row(mode, batch, length, q_len, heads, kv_dtype, peers, variants, bw):
     for n, e in result["impls"].items():
         if "us" in e:
             parts.append(f"{n} {e['us']:.1f}us {e['tflops']:.1f} TFLOP/s {e['tbps']:.2f} TB/s "
-                         f"{e['pct_copy_bw']:.0f}%" + (f" ({e['plan']})" if "plan" in e else ""))
+                         f"{e['pct_copy_bw']:.0f}%" + (f" ({e['plan']})" if "plan" in e else "")
+                         + (f" (host {e['host_us']:.0f}us)" if _device() == "cuda" else ""))
         elif "unsupported" in e:
             parts.append(f"{n} n/a ({e['unsupported'][:120]})")
         else:
