@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -305,6 +306,13 @@ def reference_check(refs, out, what):
 # ----------------------------------------------------------------------------------------------------------
 # timing
 
+def _passes(calls, n=1):
+    """The calls in turn, n times (eagerly, or into a graph being captured)."""
+    for _ in range(n):
+        for c in calls:
+            c()
+
+
 def time_graph(calls, target_ms=3.0, replays=15):
     """Median microseconds per call: the calls (one per rotating input set) captured in one CUDA graph,
     repeated to about target_ms of GPU time a replay, timed with events. Each timed replay is queued behind an
@@ -312,14 +320,11 @@ def time_graph(calls, target_ms=3.0, replays=15):
     few milliseconds would otherwise carry as a fixed share, stays outside them. The repeat count comes from
     the GPU time of one captured pass over the calls, not from eager calls, whose host overhead differs from
     one implementation to the next (a host-bound estimate gave fewer calls a replay, so a larger share of that
-    latency). Falls back to eager timing, the repeat count from eager calls, if capture fails."""
-    for c in calls:
-        c()
+    latency). Falls back to eager timing, the repeat count from eager calls, if capture fails. On the CPU (a
+    dry run): the wall time of one pass after a warm one (host_time)."""
+    _passes(calls)
     if DEVICE == "cpu":
-        t0 = time.perf_counter()
-        for c in calls:
-            c()
-        return (time.perf_counter() - t0) * 1e6 / len(calls), "wall (cpu dry run)"
+        return host_time(calls), "wall (cpu dry run)"
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
@@ -337,9 +342,7 @@ def time_graph(calls, target_ms=3.0, replays=15):
     def capture(inner):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(inner):
-                for c in calls:
-                    c()
+            _passes(calls, inner)
         graph.replay()
         return graph.replay
 
@@ -348,8 +351,7 @@ def time_graph(calls, target_ms=3.0, replays=15):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for c in calls:
-                c()
+            _passes(calls)
         torch.cuda.current_stream().wait_stream(side)
         once = capture(1)
         inner = repeats(min(timed_ms(once) for _ in range(3)) / len(calls))
@@ -358,16 +360,11 @@ def time_graph(calls, target_ms=3.0, replays=15):
         method = f"eager ({type(e).__name__})"
         torch.cuda.synchronize()
         start.record()
-        for c in calls:
-            c()
+        _passes(calls)
         end.record()
         end.synchronize()
         inner = repeats(start.elapsed_time(end) / len(calls))
-
-        def run():
-            for _ in range(inner):
-                for c in calls:
-                    c()
+        run = functools.partial(_passes, calls, inner)
     torch.cuda.synchronize()
     times = [timed_ms(run) * 1e3 / (inner * len(calls)) for _ in range(replays)]
     return statistics.median(times), method
@@ -382,9 +379,7 @@ def host_time(calls, launches=100):
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(reps):
-        for c in calls:
-            c()
+    _passes(calls, reps)
     elapsed = time.perf_counter() - t0
     if DEVICE == "cuda":
         torch.cuda.synchronize()
