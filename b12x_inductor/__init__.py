@@ -5,9 +5,9 @@ decode, verify or extend plan at compile time.
     out = b12x.paged_attention(q, k_cache, v_cache, page_table, cache_seqlens)
 
 Follow one call: `paged_attention` (this file) -> `torch.ops.b12x.paged_attention` (ops.py: checks, then
-`select_plan` in plan.py) -> the plan's entry op -> one `kernels.Call` to `kernels.run` -> its family. Under
-torch.compile, lowering/paged_attention.py replaces the middle: it selects the plan while compiling and
-emits the entry op call with the plan's constants.
+`select_plan` in plan.py) -> one `kernels.Call` to `kernels.run` (what the plan's entry op runs, called directly)
+-> its family. Under torch.compile, lowering/paged_attention.py replaces the middle: it selects the plan while
+compiling and emits the entry op call with the plan's constants.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ None has a backward: with grad mode on, an input that requires grad raises (thei
 
 Entry ops (one per plan mode; what the lowering emits, with the plan's constants as literals):
 - b12x::paged_attention_{decode,verify,extend}(..., out, lse, scratch, *, options, plan constants) -> ()
-  They write out, lse and scratch, which the caller (eager op or Inductor) allocates, and hand the
-  plan's family one typed `kernels.Call`.
+  They write out, lse and scratch, which Inductor allocates, and hand the plan's family one typed
+  `kernels.Call` (`_run_entry`; the eager op calls `_run_entry` itself, with the buffers it allocates).
 """
 
 from __future__ import annotations
@@ -67,11 +67,25 @@ torch.library.register_fake("b12x::refuse")(_refuse)
 
 def _run_plan(plan: Plan, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q,
               kv_start, sinks, k_descale, v_descale, key_mask, q_pe, out, options: Options) -> torch.Tensor:
+    """Runs `plan` as its entry op would (`_run_entry`), called directly: the eager op's arguments are
+    checked, so a second trip through the dispatcher would only add host time."""
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=q.device)
-    plan.entry_op(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale,
-                  v_descale, key_mask, q_pe, out, lse, scratch, **options.as_kwargs(), **plan.constants())
+    _run_entry(Call(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
+                    cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, sinks=sinks, k_descale=k_descale,
+                    v_descale=v_descale, key_mask=key_mask, q_pe=q_pe, out=out, lse=lse, scratch=scratch,
+                    options=options, plan=plan))
     return lse
+
+
+def _run_entry(call: Call) -> None:
+    """What an entry op runs: the device-value checks where B12X_DEBUG asks for them, then the plan's family."""
+    if validate.debug_enabled():
+        validate.check_device_values(call.q, call.k_cache, call.page_table, call.cache_seqlens, call.cu_seqlens_q,
+                                     call.kv_start, call.options.kv_layout)
+    from b12x_inductor import kernels
+
+    kernels.run(call)
 
 
 def _eager(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q=None, *, kv_layout="NHD", causal=True,
@@ -125,11 +139,7 @@ def _paged_attention_out_fake(q, k_cache, v_cache, page_table, cache_seqlens, cu
 def _entry(mode: str):
     def impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale, v_descale,
              key_mask, q_pe, out, lse, scratch, *, kv_layout, causal, scale, window_left, softcap, family, **plan):
-        if validate.debug_enabled():
-            validate.check_device_values(q, k_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, kv_layout)
-        from b12x_inductor import kernels
-
-        kernels.run(Call(
+        _run_entry(Call(
             q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
             cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, sinks=sinks, k_descale=k_descale, v_descale=v_descale,
             key_mask=key_mask, q_pe=q_pe, out=out, lse=lse, scratch=scratch,
@@ -159,8 +169,9 @@ def _no_grad_kernel(name: str, op: str, tensor_args: tuple[str, ...]):
     def kernel(keyset, *args, **kwargs):
         from b12x_inductor.lowering._inductor import redispatch_below_autograd  # after the imports: no cycle
 
-        named = dict(zip(positional, args), **kwargs)
-        validate.check_no_grad(op, {a: named.get(a) for a in tensor_args})
+        if torch.is_grad_enabled():  # check_no_grad's own test, first: no_grad/inference calls skip the names
+            named = dict(zip(positional, args), **kwargs)
+            validate.check_no_grad(op, {a: named.get(a) for a in tensor_args})
         return redispatch_below_autograd(overload, keyset, *args, **kwargs)
 
     _lib.impl(name, kernel, "Autograd", with_keyset=True)

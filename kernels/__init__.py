@@ -1,7 +1,7 @@
 """Kernel families behind the plans' entry ops, and the one typed call they all take.
 
-An entry op (`torch.ops.b12x.paged_attention_{decode,verify,extend}`) builds one `Call` (its tensors, its
-`Options` and its `Plan`) and `run` hands it to the plan's family. A family is a `KernelFamily`: whether it
+An entry op (`torch.ops.b12x.paged_attention_{decode,verify,extend}`), or the eager op directly, builds one
+`Call` (its tensors, its `Options` and its `Plan`) and `run` hands it to the plan's family. A family is a `KernelFamily`: whether it
 is installed, which problems it expresses, whether it is the one to prefer for a problem, its plan, its
 ahead-of-time compile and its run. `FAMILY_ORDER` is the order `select_plan` tries them in.
 - reference.py: the fp32 executable definition of the semantics (tests compare everything with it)
@@ -127,7 +127,7 @@ def family(name: str) -> KernelFamily:
 
 
 def run(call: Call) -> None:
-    """Runs one plan (the entry ops' path to a kernel)."""
+    """Runs one plan (the entry ops' and the eager op's path to a kernel)."""
     family(call.plan.family).run(call)
 
 
