@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -111,14 +113,39 @@ class Descale:
             return cls(ds, ds.stride(0), 0, 1)
         return cls(ds, ds.stride(0), ds.stride(1), 1)
 
+    def layout(self) -> Descale:
+        """The strides and flag alone (a Launch's part: static)."""
+        return dataclasses.replace(self, ptr=None)
+
+
+class Operands(NamedTuple):
+    """The tensors of one launch (a run), or their dtypes (`warmup` and compile-only: Triton specializes on
+    dtypes, not values). Absent optional tensors are valid dummy pointers whose flag in the Launch is 0, which
+    masks every load of them."""
+
+    q: object
+    qpe: object  # the query's columns BLOCK_D.. where d_blocks(d) has a tail (q_pe, or a view of q's), else q
+    k: object
+    v: object
+    pt: object
+    seqlens: object
+    cu: object
+    kv_start: object
+    sinks: object
+    kds: object
+    vds: object
+    key_mask: object  # uint8 [B, S or 1, capacity] (a bool mask's bytes), or a dummy with has_key_mask 0
+    out: object
+    lse: object
+    part_o: object  # split partials (decode/verify with splits > 1), else lse as a dummy
+    part_l: object
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Launch:
-    """Everything one launch of a plan's kernels takes. Sizes and strides are static; the operands are
-    tensors (a run) or their dtypes (`warmup` and compile-only: Triton specializes on dtypes, not values).
-    Absent optional tensors are valid dummy pointers with a zero flag, which masks every load of them."""
+    """Everything static about one launch of a plan's kernels: sizes, strides, dtypes and flags (hashable:
+    `_steps` turns it into the kernels' arguments once per distinct launch)."""
 
-    # static sizes
     batch: int
     q_len: int  # S, or the capacity T of packed q
     packed: bool
@@ -137,36 +164,49 @@ class Launch:
     k_strides: tuple[int, int, int]  # (page, slot, head)
     v_strides: tuple[int, int, int]
     pt_stride: int
-    # operands
-    q: object
-    qpe: object  # the query's columns BLOCK_D.. where d_blocks(d) has a tail (q_pe, or a view of q's), else q
-    k: object
-    v: object
-    pt: object
-    seqlens: object
-    cu: object
-    kv_start: object
-    sinks: object
-    kds: Descale
+    kds: Descale  # its layout; `ptr` None (the pointer is Operands.kds)
     vds: Descale
-    key_mask: object  # uint8 [B, S or 1, capacity] (a bool mask's bytes), or a dummy with has_key_mask 0
     km_strides: tuple[int, int, int]  # (request, query row: 0 for one row per request, key)
     has_key_mask: bool  # a compile-time flag of the kernels
-    out: object
-    lse: object
-    part_o: object  # split partials (decode/verify with splits > 1), else lse as a dummy
-    part_l: object
     has_kv_start: int
     has_sinks: int
 
 
-def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
-    """Launches (or, with warmup, compiles) the kernels of one plan (a Plan) with `options` (an Options).
-    `compile_with(kernel, args, consts, tune)` replaces `kernel.warmup` (kernels/triton/_compile_only.py:
-    compiles for another GPU)."""
+# Each kernel's tensor arguments, in its signature's order (decode.py, extend.py)
+_SPLIT_OPERANDS = ("q", "qpe", "k", "v", "pt", "seqlens", "kv_start", "sinks", "kds", "vds", "key_mask", "out", "lse",
+                   "part_o", "part_l")
+_EXTEND_OPERANDS = ("q", "qpe", "k", "v", "pt", "seqlens", "cu", "kv_start", "sinks", "kds", "vds", "key_mask", "out",
+                    "lse")
+_MERGE_OPERANDS = ("part_o", "part_l", "sinks", "out", "lse")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Step:
+    """One kernel launch of a plan: `kernel[grid](*operands picked, *scalars, **consts, **tune)`."""
+
+    kernel: object
+    grid: tuple
+    pick: operator.itemgetter  # its tensors, out of an Operands
+    scalars: tuple  # its runtime scalar arguments, after the tensors
+    consts: dict  # its compile-time arguments
+    tune: dict  # num_warps, num_stages
+    kwargs: dict  # consts and tune together (what a launch passes)
+
+    @classmethod
+    def of(cls, kernel, grid, names: tuple, scalars: tuple, consts: dict, tune: dict) -> _Step:
+        return cls(kernel, grid, operator.itemgetter(*(Operands._fields.index(n) for n in names)), scalars, consts,
+                   tune, {**consts, **tune})
+
+    def args(self, operands: Operands) -> tuple:
+        return (*self.pick(operands), *self.scalars)
+
+
+@functools.lru_cache(maxsize=1024)
+def _steps(x: Launch, plan, options) -> tuple[_Step, ...]:
+    """The kernel launches of one plan (a Plan) with `options` (an Options) for one Launch: the split kernel
+    and, with more than one split, the merge kernel (decode/verify), or the extend kernel."""
     from . import decode, extend
 
-    x = launch
     g = x.hq // x.hkv
     window = options.window_left
     softcap = options.softcap
@@ -185,41 +225,34 @@ def _launch(launch: Launch, plan, options, *, warmup=False, compile_with=None):
     tune = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.mode == "extend":
         tiles = -(-x.q_len // plan.block_m) + x.batch if x.packed else x.batch * -(-x.q_len // plan.block_m)
-        grid = (x.hq, tiles)
-        args = (x.q, x.qpe, x.k, x.v, x.pt, x.seqlens, x.cu, x.kv_start, x.sinks, x.kds.ptr, x.vds.ptr, x.key_mask,
-                x.out, x.lse, *common)
         consts = dict(B=x.batch, S=x.q_len, B_P2=next_pow2(x.batch + 1), G=g, HQ=x.hq, BLOCK_M=plan.block_m,
                       BLOCK_N=plan.block_n, PACKED=x.packed, **flags)
-        if warmup:
-            return [compile_with(extend.extend_kernel, args, consts, tune) if compile_with else
-                    extend.extend_kernel.warmup(*args, grid=grid, **consts, **tune)]
-        extend.extend_kernel[grid](*args, **consts, **tune)
-        return None
+        return (_Step.of(extend.extend_kernel, (x.hq, tiles), _EXTEND_OPERANDS, common, consts, tune),)
 
     splits = plan.num_splits
     m_tiles = -(-(x.q_len * g) // plan.block_m)
-    grid = (x.batch * x.hkv * m_tiles, splits)
-    args = (x.q, x.qpe, x.k, x.v, x.pt, x.seqlens, x.kv_start, x.sinks, x.kds.ptr, x.vds.ptr, x.key_mask, x.out,
-            x.lse, x.part_o, x.part_l, *common)
     consts = dict(S=x.q_len, G=g, HKV=x.hkv, M_TILES=m_tiles, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
                   NUM_SPLITS=splits, **flags)
-    merge_args = (x.part_o, x.part_l, x.sinks, x.out, x.lse, x.has_sinks)
-    merge_grid, merge = decode.merge_launch(x.batch * x.q_len * x.hq, x.hq, x.dv, splits)
-    merge_tune = {k: merge.pop(k) for k in ("num_warps", "num_stages")}
-    merge_consts = merge
+    steps = [_Step.of(decode.split_kernel, (x.batch * x.hkv * m_tiles, splits), _SPLIT_OPERANDS, common, consts,
+                      tune)]
+    if splits > 1:
+        merge_grid, merge = decode.merge_launch(x.batch * x.q_len * x.hq, x.hq, x.dv, splits)
+        merge_tune = {k: merge.pop(k) for k in ("num_warps", "num_stages")}
+        steps.append(_Step.of(decode.merge_kernel, merge_grid, _MERGE_OPERANDS, (x.has_sinks,), merge, merge_tune))
+    return tuple(steps)
+
+
+def _launch(launch: Launch, operands: Operands, plan, options, *, warmup=False, compile_with=None):
+    """Launches (or, with warmup, compiles and returns) the kernels of one plan (a Plan) with `options` (an
+    Options). `compile_with(kernel, args, consts, tune)` replaces `kernel.warmup`
+    (kernels/triton/_compile_only.py: compiles for another GPU)."""
+    steps = _steps(launch, plan, options)
     if warmup:
         if compile_with:
-            kernels = [compile_with(decode.split_kernel, args, consts, tune)]
-            if splits > 1:
-                kernels.append(compile_with(decode.merge_kernel, merge_args, merge_consts, merge_tune))
-            return kernels
-        kernels = [decode.split_kernel.warmup(*args, grid=grid, **consts, **tune)]
-        if splits > 1:
-            kernels.append(decode.merge_kernel.warmup(*merge_args, grid=merge_grid, **merge_consts, **merge_tune))
-        return kernels
-    decode.split_kernel[grid](*args, **consts, **tune)
-    if splits > 1:
-        decode.merge_kernel[merge_grid](*merge_args, **merge_consts, **merge_tune)
+            return [compile_with(s.kernel, s.args(operands), s.consts, s.tune) for s in steps]
+        return [s.kernel.warmup(*s.args(operands), grid=s.grid, **s.kwargs) for s in steps]
+    for s in steps:
+        s.kernel[s.grid](*s.pick(operands), *s.scalars, **s.kwargs)
     return None
 
 
@@ -235,45 +268,49 @@ def split_partials(scratch: torch.Tensor, rows: int, d: int, dtype: torch.dtype)
     return scratch[:o_bytes].view(dtype), scratch[o_bytes: o_bytes + rows * 4].view(torch.float32)
 
 
-def _launch_of(call) -> Launch:
-    """The Launch of one Call."""
+def _launch_of(call) -> tuple[Launch, Operands]:
+    """The Launch and the Operands of one Call."""
     q, k_cache, v_cache, pt = call.q, call.k_cache, call.v_cache, call.page_table
     layout = call.options.kv_layout
     page_size, hkv = cache_dims(k_cache.shape, layout)
-    batch, q_len = pt.shape[0], (q.shape[0] if call.packed else q.shape[1])
+    packed = q.dim() == 3
+    batch, q_len = pt.shape[0], q.shape[0 if packed else 1]
     qs = q.stride()
-    block_d, block_dpe = d_blocks(call.head_dim)
+    head_dim = call.head_dim
+    block_d, block_dpe = d_blocks(head_dim)
     qpe = call.q_pe
     if qpe is None:  # the tail block's columns of q itself (a view), or q where there is no tail
         qpe = q[..., block_d:] if block_dpe else q
     elif q.shape[-1] != block_d:
         raise ValueError(f"paged_attention: the Triton family reads q_pe as the columns {block_d}.. of the query; "
                          f"got q of head dim {q.shape[-1]}")
-    ps = qpe.stride()
+    ps = qpe.stride() if qpe is not q else qs
     int_dummy, float_dummy = call.cache_seqlens, call.lse
-    part_o = part_l = call.lse
+    part_o = part_l = float_dummy
     km = call.key_mask
+    km_strides = (0, 0, 0)
     if km is not None:
         km = km.view(torch.uint8)
         km_strides = (km.stride(0), km.stride(1) if km.shape[1] > 1 else 0, km.stride(2))
-    if call.mode != "extend" and call.plan.num_splits > 1:
-        part_o, part_l = split_partials(call.scratch, batch * q_len * q.shape[-2] * call.plan.num_splits,
-                                        v_cache.shape[-1], call.out.dtype)
-    return Launch(
-        batch=batch, q_len=q_len, packed=call.packed, hq=q.shape[-2], hkv=hkv, d=call.head_dim,
-        dv=v_cache.shape[-1], page_size=page_size,
+    hq, dv = q.shape[-2], v_cache.shape[-1]
+    plan = call.plan
+    if plan.mode != "extend" and plan.num_splits > 1:
+        part_o, part_l = split_partials(call.scratch, batch * q_len * hq * plan.num_splits, dv, call.out.dtype)
+    kds, vds = Descale.of(call.k_descale, float_dummy), Descale.of(call.v_descale, float_dummy)
+    kv_start, sinks = call.kv_start, call.sinks
+    launch = Launch(
+        batch=batch, q_len=q_len, packed=packed, hq=hq, hkv=hkv, d=head_dim, dv=dv, page_size=page_size,
         max_pages=pt.shape[1], num_pages=min(k_cache.shape[0], v_cache.shape[0]), q_dtype=q.dtype,
-        kv_dtype=k_cache.dtype, q_strides=(0, qs[0], qs[1]) if call.packed else (qs[0], qs[1], qs[2]),
-        qpe_strides=(0, ps[0], ps[1]) if call.packed else (ps[0], ps[1], ps[2]),
+        kv_dtype=k_cache.dtype, q_strides=(0, qs[0], qs[1]) if packed else qs[:3],
+        qpe_strides=(0, ps[0], ps[1]) if packed else ps[:3],
         k_strides=_cache_strides(k_cache.stride(), layout), v_strides=_cache_strides(v_cache.stride(), layout),
-        pt_stride=pt.stride(0), q=q, qpe=qpe, k=k_cache, v=v_cache, pt=pt, seqlens=call.cache_seqlens,
-        cu=call.cu_seqlens_q if call.packed else int_dummy,
-        kv_start=int_dummy if call.kv_start is None else call.kv_start,
-        sinks=float_dummy if call.sinks is None else call.sinks,
-        kds=Descale.of(call.k_descale, float_dummy), vds=Descale.of(call.v_descale, float_dummy),
-        key_mask=int_dummy if km is None else km, km_strides=(0, 0, 0) if km is None else km_strides,
-        has_key_mask=km is not None, out=call.out, lse=call.lse, part_o=part_o, part_l=part_l, has_kv_start=int(call.kv_start is not None),
-        has_sinks=int(call.sinks is not None))
+        pt_stride=pt.stride(0), kds=kds.layout(), vds=vds.layout(), km_strides=km_strides,
+        has_key_mask=km is not None, has_kv_start=int(kv_start is not None), has_sinks=int(sinks is not None))
+    operands = Operands(
+        q, qpe, k_cache, v_cache, pt, call.cache_seqlens, call.cu_seqlens_q if packed else int_dummy,
+        int_dummy if kv_start is None else kv_start, float_dummy if sinks is None else sinks, kds.ptr, vds.ptr,
+        int_dummy if km is None else km, call.out, call.lse, part_o, part_l)
+    return launch, operands
 
 
 def run(call) -> None:
@@ -289,7 +326,7 @@ def run(call) -> None:
                              f"{tuple(call.k_cache.shape)} strides {call.k_cache.stride()}, v_cache "
                              f"{tuple(call.v_cache.shape)} strides {call.v_cache.stride()}")
     with torch.cuda.device(call.q.device) if call.q.is_cuda else _no_device():
-        _launch(_launch_of(call), call.plan, call.options)
+        _launch(*_launch_of(call), call.plan, call.options)
 
 
 def _no_device():
@@ -306,28 +343,27 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def warmup_launch(problem, options) -> Launch:
-    """The Launch `precompile` compiles for: the standard (contiguous) strides of the problem's tensors,
-    operands given as dtypes, runtime flags off (kv_start, sinks and descales are runtime flags, so one
-    compile serves them all)."""
+def warmup_launch(problem, options) -> tuple[Launch, Operands]:
+    """The Launch and Operands `precompile` compiles for: the standard (contiguous) strides of the problem's
+    tensors, operands given as dtypes, runtime flags off (kv_start, sinks and descales are runtime flags, so
+    one compile serves them all)."""
     b, s, hq, hkv, d, dv, ps = (problem.batch, problem.q_len, problem.num_q_heads, problem.num_kv_heads,
                                 problem.head_dim, problem.v_head_dim, problem.page_size)
     cache = _contiguous_strides((1, ps, hkv, d) if problem.kv_layout == "NHD" else (1, hkv, ps, d))
     v_cache = _contiguous_strides((1, ps, hkv, dv) if problem.kv_layout == "NHD" else (1, hkv, ps, dv))
     q_strides = _contiguous_strides((s, hq, d) if problem.packed else (b, s, hq, d))
+    q_strides = (0, q_strides[0], q_strides[1]) if problem.packed else q_strides[:3]
     f32, i32 = torch.float32, torch.int32
-    return Launch(
+    launch = Launch(
         batch=b, q_len=s, packed=problem.packed, hq=hq, hkv=hkv, d=d, dv=dv, page_size=ps, max_pages=problem.max_pages,
-        num_pages=1, q_dtype=problem.q_dtype, kv_dtype=problem.kv_dtype,
-        q_strides=(0, q_strides[0], q_strides[1]) if problem.packed else q_strides[:3],
-        qpe_strides=(0, q_strides[0], q_strides[1]) if problem.packed else q_strides[:3],
+        num_pages=1, q_dtype=problem.q_dtype, kv_dtype=problem.kv_dtype, q_strides=q_strides, qpe_strides=q_strides,
         k_strides=_cache_strides(cache, problem.kv_layout), v_strides=_cache_strides(v_cache, problem.kv_layout),
-        pt_stride=problem.max_pages, q=problem.q_dtype, qpe=problem.q_dtype, k=problem.kv_dtype, v=problem.kv_dtype,
-        pt=i32,
-        seqlens=i32, cu=i32, kv_start=i32, sinks=f32, kds=Descale(f32), vds=Descale(f32),
-        key_mask=torch.uint8 if problem.key_mask else i32, km_strides=(0, 0, 0), has_key_mask=problem.key_mask,
-        out=problem.q_dtype,
-        lse=f32, part_o=problem.q_dtype, part_l=f32, has_kv_start=0, has_sinks=0)
+        pt_stride=problem.max_pages, kds=Descale(None), vds=Descale(None), km_strides=(0, 0, 0),
+        has_key_mask=problem.key_mask, has_kv_start=0, has_sinks=0)
+    q, kv = problem.q_dtype, problem.kv_dtype
+    operands = Operands(q, q, kv, kv, i32, i32, i32, i32, f32, f32, f32, torch.uint8 if problem.key_mask else i32, q,
+                        f32, q, f32)
+    return launch, operands
 
 
 def precompile(problem, plan, options) -> None:
@@ -343,7 +379,7 @@ def _precompiled(problem, plan, options):
     from ._compile_only import load_now
 
     with torch.cuda.device(torch.cuda.current_device()):
-        kernels = _launch(warmup_launch(problem, options), plan, options, warmup=True)
+        kernels = _launch(*warmup_launch(problem, options), plan, options, warmup=True)
         for k in kernels or ():
             load_now(k)
     return kernels

@@ -60,7 +60,7 @@ def precompile_for(problem, plan, options, cc: int) -> list:
     from b12x_inductor.kernels import triton as triton_kernels
 
     return triton_kernels._launch(
-        triton_kernels.warmup_launch(problem, options), plan, options, warmup=True,
+        *triton_kernels.warmup_launch(problem, options), plan, options, warmup=True,
         compile_with=lambda kernel, args, consts, tune: compile_kernel(kernel, args, consts, tune, cc))
 
 
