@@ -224,6 +224,7 @@ def tma_box(*, page: int, tile_n: int) -> int:
     return box
 
 
+@functools.cache
 def _cutlass_dtype(dtype):
     import cutlass
 
@@ -367,7 +368,6 @@ def _extend_key(shapes, plan: dict, options: dict) -> tuple:
 
 def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
     from cuda.bindings.driver import CUstream
-    from cutlass import Float32, Int32
 
     from b12x_inductor.kernels.triton import _cache_strides
 
@@ -402,11 +402,11 @@ def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
             kds_ptr=_ptr(kds, 4, torch.float32), vds_ptr=_ptr(vds, 4, torch.float32), out_ptr=_ptr(out, 2),
             lse_ptr=_ptr(lse, 4),
             **_strides(q_strides, (kp, ko, kh), (vp, vo, vh), pt.stride(0)),
-            kds_b=Int32(kds_b), kds_h=Int32(kds_h), vds_b=Int32(vds_b), vds_h=Int32(vds_h),
-            has_kv_start=Int32(kv_start is not None), has_sinks=Int32(sinks is not None), has_kds=Int32(has_kds),
-            has_vds=Int32(has_vds), window_left=Int32(max(window, 0)), sm_scale=Float32(float(options["scale"])),
-            softcap=Float32(softcap if softcap > 0 else 1.0), k_pages=Int32(k_cache.shape[0]),
-            v_pages=Int32(v_cache.shape[0]), max_pages=Int32(pt.shape[1]), stream=stream)))
+            kds_b=_i32(kds_b), kds_h=_i32(kds_h), vds_b=_i32(vds_b), vds_h=_i32(vds_h),
+            has_kv_start=_i32(kv_start is not None), has_sinks=_i32(sinks is not None), has_kds=_i32(has_kds),
+            has_vds=_i32(has_vds), window_left=_i32(max(window, 0)), sm_scale=_f32(float(options["scale"])),
+            softcap=_f32(softcap if softcap > 0 else 1.0), k_pages=_i32(k_cache.shape[0]),
+            v_pages=_i32(v_cache.shape[0]), max_pages=_i32(pt.shape[1]), stream=stream)))
 
 
 @functools.cache
@@ -443,18 +443,46 @@ def _launch_args(kernel_class, values: dict) -> list:
 def _strides(q: tuple, k: tuple, v: tuple, pt: int) -> dict:
     """The ten Int64 element strides of a launch: q (request, token, head), the caches (page, slot, head),
     the page table's row."""
-    from cutlass import Int64
-
     names = ("q_sb", "q_ss", "q_sh", "k_sp", "k_so", "k_sh", "v_sp", "v_so", "v_sh", "pt_sb")
-    return {n: Int64(x) for n, x in zip(names, (*q, *k, *v, pt))}
+    return {n: _i64(x) for n, x in zip(names, (*q, *k, *v, pt))}
 
 
 def _ptr(t: torch.Tensor, align: int, dtype=None):
     """A CuTe global pointer to a tensor's data (`dtype`: the element type to read it as)."""
+    return _pointer(t.data_ptr(), dtype or t.dtype, align)
+
+
+# A launch's DSL values are made once per value, not per launch (about 11 pointers and 25 scalars a launch, a
+# microsecond or more each to make): they are immutable, and a serving loop's caches, page tables and shapes
+# repeat, so the eager op's host time a call shrinks by tens of microseconds.
+@functools.lru_cache(maxsize=256)
+def _pointer(address: int, dtype, align: int):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    return make_ptr(_cutlass_dtype(dtype or t.dtype), t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+    return make_ptr(_cutlass_dtype(dtype), address, cute.AddressSpace.gmem, assumed_align=align)
+
+
+@functools.lru_cache(maxsize=4096)
+def _scalar(kind: str, value):
+    import cutlass
+
+    return getattr(cutlass, kind)(value)
+
+
+def _i32(x):
+    """An Int32 launch argument."""
+    return _scalar("Int32", int(x))
+
+
+def _i64(x):
+    """An Int64 launch argument."""
+    return _scalar("Int64", int(x))
+
+
+def _f32(x):
+    """A Float32 launch argument."""
+    return _scalar("Float32", float(x))
 
 
 def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
@@ -468,7 +496,6 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
         _run_mla(tensors, out=out, lse=lse, scratch=scratch, options=options, plan=plan)
         return
     from cuda.bindings.driver import CUstream
-    from cutlass import Float32, Int32
 
     from b12x_inductor.kernels.triton import decode as triton_decode
     from b12x_inductor.kernels.triton import _cache_strides, split_partials
@@ -504,13 +531,13 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
             kds_ptr=_ptr(kds, 4, torch.float32), vds_ptr=_ptr(vds, 4, torch.float32),
             part_o_ptr=_ptr(part_o, part_o.element_size()),
             part_l_ptr=_ptr(part_l, 4), sinks_ptr=_ptr(sinks_arg, 4, torch.float32),
-            has_sinks=Int32(sinks is not None), batch=Int32(batch),
+            has_sinks=_i32(sinks is not None), batch=_i32(batch),
             **_strides(q.stride()[:3], (kp, ko, kh), (vp, vo, vh), pt.stride(0)),
-            kds_b=Int32(kds_b), kds_h=Int32(kds_h), vds_b=Int32(vds_b), vds_h=Int32(vds_h),
-            has_kv_start=Int32(kv_start is not None), has_kds=Int32(has_kds), has_vds=Int32(has_vds),
-            window_left=Int32(max(window, 0)), sm_scale=Float32(float(options["scale"])),
-            softcap=Float32(softcap if softcap > 0 else 1.0), k_pages=Int32(k_cache.shape[0]),
-            v_pages=Int32(v_cache.shape[0]), max_pages=Int32(pt.shape[1]), stream=stream)))
+            kds_b=_i32(kds_b), kds_h=_i32(kds_h), vds_b=_i32(vds_b), vds_h=_i32(vds_h),
+            has_kv_start=_i32(kv_start is not None), has_kds=_i32(has_kds), has_vds=_i32(has_vds),
+            window_left=_i32(max(window, 0)), sm_scale=_f32(float(options["scale"])),
+            softcap=_f32(softcap if softcap > 0 else 1.0), k_pages=_i32(k_cache.shape[0]),
+            v_pages=_i32(v_cache.shape[0]), max_pages=_i32(pt.shape[1]), stream=stream)))
         if splits > 1:
             grid, merge = triton_decode.merge_launch(batch * s * hq, hq, v_cache.shape[-1], splits)
             triton_decode.merge_kernel[grid](
@@ -524,7 +551,6 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
     are 16 bytes wide) and `lse`. V is read from K's tiles: v_cache must be k_cache's
     first 512 columns (the same storage, offset and strides), which is checked here (fail closed)."""
     from cuda.bindings.driver import CUstream
-    from cutlass import Float32, Int32, Int64
 
     from b12x_inductor.kernels.triton import decode as triton_decode
     from b12x_inductor.kernels.triton import _cache_strides, split_partials
@@ -572,14 +598,14 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
             kv_start_ptr=_ptr(kv_start if kv_start is not None else lse, 4, torch.int32),
             sinks_ptr=_ptr(sinks_arg, 4, torch.float32), part_o_ptr=_ptr(part_o, 16),
             part_l_ptr=_ptr(part_l, 4), out_ptr=_ptr(out, 2), lse_ptr=_ptr(lse, 4), kds_ptr=_ptr(kds, 4),
-            vds_ptr=_ptr(vds, 4), kds_b=Int32(kds_b), vds_b=Int32(vds_b), has_kds=Int32(has_kds),
-            has_vds=Int32(has_vds), batch=Int32(batch),
-            q_sb=Int64(q.stride(0)), q_ss=Int64(q.stride(1)), q_sh=Int64(q.stride(2)), pe_sb=Int64(q_pe.stride(0)),
-            pe_ss=Int64(q_pe.stride(1)), pe_sh=Int64(q_pe.stride(2)), k_sp=Int64(kp),
-            k_so=Int64(ko), pt_sb=Int64(pt.stride(0)), has_kv_start=Int32(kv_start is not None),
-            has_sinks=Int32(sinks is not None), sm_scale=Float32(float(options["scale"])),
-            softcap=Float32(softcap if softcap > 0 else 1.0), k_pages=Int32(k_cache.shape[0]),
-            max_pages=Int32(pt.shape[1]), stream=stream)))
+            vds_ptr=_ptr(vds, 4), kds_b=_i32(kds_b), vds_b=_i32(vds_b), has_kds=_i32(has_kds),
+            has_vds=_i32(has_vds), batch=_i32(batch),
+            q_sb=_i64(q.stride(0)), q_ss=_i64(q.stride(1)), q_sh=_i64(q.stride(2)), pe_sb=_i64(q_pe.stride(0)),
+            pe_ss=_i64(q_pe.stride(1)), pe_sh=_i64(q_pe.stride(2)), k_sp=_i64(kp),
+            k_so=_i64(ko), pt_sb=_i64(pt.stride(0)), has_kv_start=_i32(kv_start is not None),
+            has_sinks=_i32(sinks is not None), sm_scale=_f32(float(options["scale"])),
+            softcap=_f32(softcap if softcap > 0 else 1.0), k_pages=_i32(k_cache.shape[0]),
+            max_pages=_i32(pt.shape[1]), stream=stream)))
         if not merged:
             grid, merge = triton_decode.merge_launch(batch * s * hq, hq, MLA_DV, splits)
             triton_decode.merge_kernel[grid](
