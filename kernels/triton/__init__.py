@@ -113,9 +113,20 @@ class Descale:
             return cls(ds, ds.stride(0), 0, 1)
         return cls(ds, ds.stride(0), ds.stride(1), 1)
 
-    def layout(self) -> Descale:
+    def layout(self) -> DescaleLayout:
         """The strides and flag alone (a Launch's part: static)."""
-        return dataclasses.replace(self, ptr=None)
+        return DescaleLayout(self.stride_b, self.stride_h, self.present)
+
+
+class DescaleLayout(NamedTuple):
+    """A descale's strides over B and Hkv and its flag (Descale without the pointer)."""
+
+    stride_b: int = 0
+    stride_h: int = 0
+    present: int = 0
+
+
+_NO_DESCALE = DescaleLayout()
 
 
 class Operands(NamedTuple):
@@ -141,10 +152,10 @@ class Operands(NamedTuple):
     part_l: object
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Launch:
+class Launch(NamedTuple):
     """Everything static about one launch of a plan's kernels: sizes, strides, dtypes and flags (hashable:
-    `_steps` turns it into the kernels' arguments once per distinct launch)."""
+    `_steps` turns it into the kernels' arguments once per distinct launch; a NamedTuple, which a launch makes
+    and hashes faster than a dataclass). Build it by keyword."""
 
     batch: int
     q_len: int  # S, or the capacity T of packed q
@@ -164,8 +175,8 @@ class Launch:
     k_strides: tuple[int, int, int]  # (page, slot, head)
     v_strides: tuple[int, int, int]
     pt_stride: int
-    kds: Descale  # its layout; `ptr` None (the pointer is Operands.kds)
-    vds: Descale
+    kds: DescaleLayout  # the pointer is Operands.kds
+    vds: DescaleLayout
     km_strides: tuple[int, int, int]  # (request, query row: 0 for one row per request, key)
     has_key_mask: bool  # a compile-time flag of the kernels
     has_kv_start: int
@@ -296,7 +307,14 @@ def _launch_of(call) -> tuple[Launch, Operands]:
     plan = call.plan
     if plan.mode != "extend" and plan.num_splits > 1:
         part_o, part_l = split_partials(call.scratch, batch * q_len * hq * plan.num_splits, dv, call.out.dtype)
-    kds, vds = Descale.of(call.k_descale, float_dummy), Descale.of(call.v_descale, float_dummy)
+    kds = vds = None
+    kds_layout = vds_layout = _NO_DESCALE
+    if call.k_descale is not None:
+        kds = Descale.of(call.k_descale, float_dummy)
+        kds_layout = kds.layout()
+    if call.v_descale is not None:
+        vds = Descale.of(call.v_descale, float_dummy)
+        vds_layout = vds.layout()
     kv_start, sinks = call.kv_start, call.sinks
     launch = Launch(
         batch=batch, q_len=q_len, packed=packed, hq=hq, hkv=hkv, d=head_dim, dv=dv, page_size=page_size,
@@ -304,11 +322,12 @@ def _launch_of(call) -> tuple[Launch, Operands]:
         kv_dtype=k_cache.dtype, q_strides=(0, qs[0], qs[1]) if packed else qs[:3],
         qpe_strides=(0, ps[0], ps[1]) if packed else ps[:3],
         k_strides=_cache_strides(k_cache.stride(), layout), v_strides=_cache_strides(v_cache.stride(), layout),
-        pt_stride=pt.stride(0), kds=kds.layout(), vds=vds.layout(), km_strides=km_strides,
+        pt_stride=pt.stride(0), kds=kds_layout, vds=vds_layout, km_strides=km_strides,
         has_key_mask=km is not None, has_kv_start=int(kv_start is not None), has_sinks=int(sinks is not None))
     operands = Operands(
         q, qpe, k_cache, v_cache, pt, call.cache_seqlens, call.cu_seqlens_q if packed else int_dummy,
-        int_dummy if kv_start is None else kv_start, float_dummy if sinks is None else sinks, kds.ptr, vds.ptr,
+        int_dummy if kv_start is None else kv_start, float_dummy if sinks is None else sinks,
+        float_dummy if kds is None else kds.ptr, float_dummy if vds is None else vds.ptr,
         int_dummy if km is None else km, call.out, call.lse, part_o, part_l)
     return launch, operands
 
@@ -358,7 +377,7 @@ def warmup_launch(problem, options) -> tuple[Launch, Operands]:
         batch=b, q_len=s, packed=problem.packed, hq=hq, hkv=hkv, d=d, dv=dv, page_size=ps, max_pages=problem.max_pages,
         num_pages=1, q_dtype=problem.q_dtype, kv_dtype=problem.kv_dtype, q_strides=q_strides, qpe_strides=q_strides,
         k_strides=_cache_strides(cache, problem.kv_layout), v_strides=_cache_strides(v_cache, problem.kv_layout),
-        pt_stride=problem.max_pages, kds=Descale(None), vds=Descale(None), km_strides=(0, 0, 0),
+        pt_stride=problem.max_pages, kds=_NO_DESCALE, vds=_NO_DESCALE, km_strides=(0, 0, 0),
         has_key_mask=problem.key_mask, has_kv_start=0, has_sinks=0)
     q, kv = problem.q_dtype, problem.kv_dtype
     operands = Operands(q, q, kv, kv, i32, i32, i32, i32, f32, f32, f32, torch.uint8 if problem.key_mask else i32, q,
