@@ -1,9 +1,9 @@
 """Kernel families behind the plans' entry ops, and the one typed call they all take.
 
 An entry op (`torch.ops.b12x.paged_attention_{decode,verify,extend}`), or the eager op directly, builds one
-`Call` (its tensors, its `Options` and its `Plan`) and `run` hands it to the plan's family. A family is a `KernelFamily`: whether it
-is installed, which problems it expresses, whether it is the one to prefer for a problem, its plan, its
-ahead-of-time compile and its run. `FAMILY_ORDER` is the order `select_plan` tries them in.
+`Call` (its tensors, its `Options` and its `Plan`) and `run` hands it to the plan's family. A family is a
+`KernelFamily`: whether it is installed, which problems it expresses, whether it is the one to prefer for a
+problem, its plan, its ahead-of-time compile and its run. `FAMILY_ORDER` is the order `select_plan` tries them in.
 - reference.py: the fp32 executable definition of the semantics (tests compare everything with it)
 - torch_impl.py: the vectorized torch family (CPU, and CUDA where no kernel supports a problem)
 - triton/: the Triton family (CUDA, sm80 on)
