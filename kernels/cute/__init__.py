@@ -650,11 +650,11 @@ def _precompile_merge(problem, splits: int) -> None:
 
 
 def _descale(ds, dummy):
-    """(pointer, stride over B, stride over Hkv, flag) of a descale (kernels/triton: Descale)."""
-    from b12x_inductor.kernels.triton import Descale
+    """(pointer, stride over B, stride over Hkv, flag) of a descale (kernels/triton: descale)."""
+    from b12x_inductor.kernels.triton import descale
 
-    x = Descale.of(ds, dummy)
-    return x.ptr, x.stride_b, x.stride_h, x.present
+    ptr, layout = descale(ds, dummy)
+    return (ptr, *layout)
 
 
 class CuteFamily:

@@ -92,34 +92,8 @@ def _cache_strides(stride: tuple, kv_layout: str) -> tuple[int, int, int]:
     return (stride[0], stride[1], stride[2]) if kv_layout == "NHD" else (stride[0], stride[2], stride[1])
 
 
-@dataclasses.dataclass(frozen=True)
-class Descale:
-    """A descale as the kernels take it: pointer, strides over B and Hkv, and a flag (0: absent, a valid
-    dummy pointer with zero strides)."""
-
-    ptr: object
-    stride_b: int = 0
-    stride_h: int = 0
-    present: int = 0
-
-    @classmethod
-    def of(cls, ds, dummy) -> Descale:
-        """Of a descale that is None, a scalar, [B] or [B, Hkv]."""
-        if ds is None:
-            return cls(dummy)
-        if ds.dim() == 0:
-            return cls(ds, 0, 0, 1)
-        if ds.dim() == 1:
-            return cls(ds, ds.stride(0), 0, 1)
-        return cls(ds, ds.stride(0), ds.stride(1), 1)
-
-    def layout(self) -> DescaleLayout:
-        """The strides and flag alone (a Launch's part: static)."""
-        return DescaleLayout(self.stride_b, self.stride_h, self.present)
-
-
 class DescaleLayout(NamedTuple):
-    """A descale's strides over B and Hkv and its flag (Descale without the pointer)."""
+    """A descale's strides over B and Hkv and its flag (0: absent, a valid dummy pointer with zero strides)."""
 
     stride_b: int = 0
     stride_h: int = 0
@@ -127,6 +101,18 @@ class DescaleLayout(NamedTuple):
 
 
 _NO_DESCALE = DescaleLayout()
+
+
+def descale(ds, dummy) -> tuple[object, DescaleLayout]:
+    """(pointer, layout) of a descale as the kernels take it: one that is None (`dummy` and no layout), a scalar,
+    [B] or [B, Hkv]."""
+    if ds is None:
+        return dummy, _NO_DESCALE
+    if ds.dim() == 0:
+        return ds, DescaleLayout(0, 0, 1)
+    if ds.dim() == 1:
+        return ds, DescaleLayout(ds.stride(0), 0, 1)
+    return ds, DescaleLayout(ds.stride(0), ds.stride(1), 1)
 
 
 class Operands(NamedTuple):
@@ -175,7 +161,7 @@ class Launch(NamedTuple):
     k_strides: tuple[int, int, int]  # (page, slot, head)
     v_strides: tuple[int, int, int]
     pt_stride: int
-    kds: DescaleLayout  # the pointer is Operands.kds
+    kds: DescaleLayout  # the pointer is Operands.kds (descale)
     vds: DescaleLayout
     km_strides: tuple[int, int, int]  # (request, query row: 0 for one row per request, key)
     has_key_mask: bool  # a compile-time flag of the kernels
@@ -307,14 +293,8 @@ def _launch_of(call) -> tuple[Launch, Operands]:
     plan = call.plan
     if plan.mode != "extend" and plan.num_splits > 1:
         part_o, part_l = split_partials(call.scratch, batch * q_len * hq * plan.num_splits, dv, call.out.dtype)
-    kds = vds = None
-    kds_layout = vds_layout = _NO_DESCALE
-    if call.k_descale is not None:
-        kds = Descale.of(call.k_descale, float_dummy)
-        kds_layout = kds.layout()
-    if call.v_descale is not None:
-        vds = Descale.of(call.v_descale, float_dummy)
-        vds_layout = vds.layout()
+    kds, kds_layout = descale(call.k_descale, float_dummy)
+    vds, vds_layout = descale(call.v_descale, float_dummy)
     kv_start, sinks = call.kv_start, call.sinks
     launch = Launch(
         batch=batch, q_len=q_len, packed=packed, hq=hq, hkv=hkv, d=head_dim, dv=dv, page_size=page_size,
@@ -326,8 +306,7 @@ def _launch_of(call) -> tuple[Launch, Operands]:
         has_key_mask=km is not None, has_kv_start=int(kv_start is not None), has_sinks=int(sinks is not None))
     operands = Operands(
         q, qpe, k_cache, v_cache, pt, call.cache_seqlens, call.cu_seqlens_q if packed else int_dummy,
-        int_dummy if kv_start is None else kv_start, float_dummy if sinks is None else sinks,
-        float_dummy if kds is None else kds.ptr, float_dummy if vds is None else vds.ptr,
+        int_dummy if kv_start is None else kv_start, float_dummy if sinks is None else sinks, kds, vds,
         int_dummy if km is None else km, call.out, call.lse, part_o, part_l)
     return launch, operands
 
