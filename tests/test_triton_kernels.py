@@ -656,6 +656,66 @@ def test_gpu_wide_mla_is_deterministic_under_a_busy_stream(name):
         assert torch.equal(out0, first[0]) and torch.equal(lse0, first[1]), f"{name}: run {i} differs"
 
 
+def _shifted(x: torch.Tensor) -> torch.Tensor:
+    """x's values in a tensor whose data starts one element past a 16-byte boundary (its rows then unaligned)."""
+    buf = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+    y = buf[1:].view(x.shape)
+    y.copy_(x)
+    return y
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["decode_split", "extend"])
+def test_gpu_direct_launch_only_for_aligned_tensors(mode, monkeypatch):
+    """A step launches its kernel directly (without the JIT's binder) once its tensors are all 16-byte aligned,
+    through the compiled kernel made for that alignment; a launch with an unaligned tensor (q, out) goes through
+    the JIT, which compiles the kernel for it. Both match the reference, before and after each other."""
+    from b12x_inductor.kernels import triton as triton_kernels
+    from b12x_inductor.kernels.triton import _compile_only
+    from tests.helpers import run_family
+
+    made, direct_runs = [], []
+    real = _compile_only.direct_launcher
+
+    def spy(kernel, grid, args, kwargs):
+        launch, tail = real(kernel, grid, args, kwargs)
+        made.append(kernel)
+
+        def counted(*a):
+            direct_runs.append(kernel)
+            launch(*a)
+        return counted, tail
+
+    monkeypatch.setattr(_compile_only, "direct_launcher", spy)
+    triton_kernels._steps.cache_clear()  # steps made by earlier tests hold launchers made without the spy
+    kw = dict(batch=3, hq=16, hkv=4, d=128, page_size=16, lens=[900, 260, 70], spare_pages=4)
+    if mode == "extend":
+        kw["q_len"] = 40
+    t = make_inputs(**kw, device="cuda", seed=13)
+    options = dict(kv_layout="NHD")
+    overrides = dict(num_splits=4) if mode == "decode_split" else None
+    ref = _reference(t, options)
+    out, lse, plan, call = run_family(t, options, "triton", overrides=overrides)
+    torch.cuda.synchronize()
+    check_close(out, lse, *ref, what=f"{mode} aligned {plan}")
+    steps = 2 if mode == "decode_split" else 1  # the split kernel and the merge, or the extend kernel
+    assert (len(made), len(direct_runs)) == (steps, steps)
+
+    unaligned = dict(t, q=_shifted(t["q"]))
+    out_u = _shifted(torch.full_like(out, float("nan")))
+    out2, lse2, plan2, _ = run_family(unaligned, options, "triton", out=out_u, overrides=overrides)
+    torch.cuda.synchronize()
+    assert plan2 == plan and out2.data_ptr() % 16 == 2
+    check_close(out2, lse2, *ref, what=f"{mode} unaligned {plan}")
+    assert (len(made), len(direct_runs)) == (steps, steps), "an unaligned launch took the direct launcher"
+
+    out.fill_(float("nan"))
+    call()  # the aligned launch again, after the JIT's unaligned compile
+    torch.cuda.synchronize()
+    check_close(out, lse, *ref, what=f"{mode} aligned again {plan}")
+    assert (len(made), len(direct_runs)) == (steps, 2 * steps)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["decode", "verify", "extend_packed"])
 def test_gpu_cuda_graph_replay(mode):

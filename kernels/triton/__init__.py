@@ -188,6 +188,11 @@ class _Step:
     consts: dict  # its compile-time arguments
     tune: dict  # num_warps, num_stages
     kwargs: dict  # consts and tune together (what a launch passes)
+    # CUDA device index -> (launch, tail) of _compile_only.direct_launcher: the compiled kernel of launches whose
+    # tensors are all 16-byte aligned. Every other argument's specialization is fixed by the Launch this step was
+    # made for: its ints are `scalars`, and its tensors' dtypes are the ones Launch's dtypes imply (validate.py
+    # checks them).
+    direct: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, kernel, grid, names: tuple, scalars: tuple, consts: dict, tune: dict) -> _Step:
@@ -196,6 +201,24 @@ class _Step:
 
     def args(self, operands: Operands) -> tuple:
         return (*self.pick(operands), *self.scalars)
+
+    def launch(self, operands: Operands) -> None:
+        """Launches the kernel on the current device's current stream: directly where its tensors are all 16-byte
+        aligned (the launcher made once a device), else through Triton's JIT, which specializes a pointer on its
+        alignment."""
+        tensors = self.pick(operands)
+        if _interpreting() or functools.reduce(operator.or_, map(torch.Tensor.data_ptr, tensors)) & 15:
+            self.kernel[self.grid](*tensors, *self.scalars, **self.kwargs)
+            return
+        device = torch.cuda.current_device()
+        direct = self.direct.get(device)
+        if direct is None:
+            from ._compile_only import direct_launcher
+
+            direct = self.direct[device] = direct_launcher(self.kernel, self.grid, (*tensors, *self.scalars),
+                                                           self.kwargs)
+        launch, tail = direct
+        launch(*tensors, *self.scalars, *tail)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -249,7 +272,7 @@ def _launch(launch: Launch, operands: Operands, plan, options, *, warmup=False, 
             return [compile_with(s.kernel, s.args(operands), s.consts, s.tune) for s in steps]
         return [s.kernel.warmup(*s.args(operands), grid=s.grid, **s.kwargs) for s in steps]
     for s in steps:
-        s.kernel[s.grid](*s.pick(operands), *s.scalars, **s.kwargs)
+        s.launch(operands)
     return None
 
 

@@ -1,12 +1,13 @@
 """The one module that touches Triton's private APIs: compiling for a GPU this machine need not have (CI: no
-GPU at all), and loading a compiled kernel ahead of its first launch.
+GPU at all), loading a compiled kernel ahead of its first launch, and launching a compiled kernel directly.
 
 `precompile_for(problem, plan, options, cc)` compiles (`triton.compile` of an `ASTSource` for a `GPUTarget`)
 the same arguments and constants that `precompile` hands to `JITFunction.warmup` on a GPU
 (kernels/triton/__init__.py: `_launch`), specialized as the JIT specializes them there, for compute
 capability `cc` (80, 89, 90, 100, 120 ...) instead of the current device. No kernel is loaded or run; the result's metadata says what it needs (shared memory,
 registers). `load_now(kernel)` loads a warmed-up kernel's module (`CompiledKernel._init_handles`), which
-Triton otherwise does at the first launch, possibly inside a CUDA-graph capture.
+Triton otherwise does at the first launch, possibly inside a CUDA-graph capture. `direct_launcher` gives the
+compiled kernel a JIT launch would run, as a launcher that skips the JIT's binder (Triton's `CompiledKernel[grid]`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,28 @@ def load_now(kernel) -> None:
     init = getattr(kernel, "_init_handles", None)
     if init is not None:
         init()
+
+
+def direct_launcher(kernel, grid: tuple, args: tuple, kwargs: dict):
+    """(launch, tail) such that `launch(*args, *tail)` launches what `kernel[grid](*args, **kwargs)` launches, on
+    the current device's current stream, without the JIT's binder (which specializes every argument again at
+    every launch: about half of a small launch's host time). `args` are the kernel's leading (runtime) arguments,
+    `kwargs` its trailing compile-time ones (constexprs) and num_warps / num_stages.
+
+    The launcher is the CompiledKernel that the JIT picks for these very arguments (`kernel.warmup`), so it holds
+    for every later launch whose arguments the JIT would specialize the same way: the same dtypes, the same ints,
+    and pointers as 16-byte aligned as these (the caller's contract: `kernels/triton/__init__.py`'s `_Step`
+    keeps one per device for launches whose pointers are all 16-byte aligned, and sends the rest through the
+    JIT). Triton's launcher takes every parameter of the kernel, constexprs included, in the kernel's order:
+    `tail` is the constexprs' values in that order."""
+    names = kernel.arg_names
+    head, rest = names[:len(args)], names[len(args):]
+    if any(p.is_constexpr for p in kernel.params[:len(args)]) or set(rest) != set(kwargs) - {"num_warps", "num_stages"}:
+        raise TypeError(f"{kernel.fn.__name__}: a direct launch takes the runtime arguments first and the constexprs "
+                        f"after them by keyword; got {list(head)} positional and {sorted(kwargs)} by keyword for "
+                        f"parameters {list(names)}")
+    compiled = kernel.warmup(*args, grid=grid, **kwargs)
+    return compiled[tuple(grid) + (1,) * (3 - len(grid))], tuple(kwargs[n] for n in rest)
 
 
 def resource_usage(kernel) -> dict:
