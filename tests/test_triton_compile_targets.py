@@ -224,3 +224,41 @@ def test_compile_only_specializes_as_the_jit_does():
         use = pool.submit(_decode_usage, torch.bfloat16).result()
     assert use["stack"] == 0 and 0 < use["registers"] <= 200, use
     assert use["shared"] > 32 * 1024, use  # two 64-key K/V stages staged through shared memory
+
+
+def test_direct_launch_passes_every_step_its_constexprs_in_order():
+    """Every kernel launch the plans emit (split, merge, extend: the sm90 representative set) has its runtime
+    arguments first and its constexprs after them, so a direct launch (kernels/triton/__init__.py, `_Step.launch`)
+    passes them positionally in the kernel's order; checked on the kernels' signatures, no GPU needed."""
+    from b12x_inductor.kernels import Options
+    from b12x_inductor.kernels import triton as triton_kernels
+    from b12x_inductor.kernels.triton import _compile_only
+
+    seen = set()
+    for problem, plan, opt in representative(90)[0]:
+        options = Options(**dict(OPTIONS[opt], kv_layout=problem.kv_layout))
+        launch, operands = triton_kernels.warmup_launch(problem, options)
+        for step in triton_kernels._steps(launch, plan, options):
+            args = step.args(operands)
+            tail = _compile_only.constexpr_tail(step.kernel, len(args), step.kwargs)
+            assert tail and list(step.kernel.arg_names) == [*step.kernel.arg_names[:len(args)], *tail]
+            assert all(p.is_constexpr for p in step.kernel.params[len(args):]), step.kernel.fn.__name__
+            seen.add(step.kernel.fn.__name__)
+    assert seen == {"split_kernel", "merge_kernel", "extend_kernel"}, seen
+
+
+def test_direct_launch_refuses_a_constexpr_among_the_positional_arguments():
+    import triton
+    import triton.language as tl
+
+    from b12x_inductor.kernels.triton import _compile_only
+
+    @triton.jit
+    def kernel(x, N: tl.constexpr, y):
+        pass
+
+    assert _compile_only.constexpr_tail(kernel, 1, dict(N=4, y=1, num_warps=4)) == ("N", "y")
+    with pytest.raises(TypeError, match="runtime arguments first"):  # N, a constexpr, among the positional ones
+        _compile_only.constexpr_tail(kernel, 2, dict(y=1, num_warps=4))
+    with pytest.raises(TypeError, match="runtime arguments first"):  # N missing from the keywords
+        _compile_only.constexpr_tail(kernel, 1, dict(y=1))

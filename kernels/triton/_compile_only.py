@@ -85,14 +85,22 @@ def direct_launcher(kernel, grid: tuple, args: tuple, kwargs: dict):
     keeps one per device for launches whose pointers are all 16-byte aligned, and sends the rest through the
     JIT). Triton's launcher takes every parameter of the kernel, constexprs included, in the kernel's order:
     `tail` is the constexprs' values in that order."""
-    names = kernel.arg_names
-    head, rest = names[:len(args)], names[len(args):]
-    if any(p.is_constexpr for p in kernel.params[:len(args)]) or set(rest) != set(kwargs) - {"num_warps", "num_stages"}:
-        raise TypeError(f"{kernel.fn.__name__}: a direct launch takes the runtime arguments first and the constexprs "
-                        f"after them by keyword; got {list(head)} positional and {sorted(kwargs)} by keyword for "
-                        f"parameters {list(names)}")
+    rest = constexpr_tail(kernel, len(args), kwargs)
     compiled = kernel.warmup(*args, grid=grid, **kwargs)
     return compiled[tuple(grid) + (1,) * (3 - len(grid))], tuple(kwargs[n] for n in rest)
+
+
+def constexpr_tail(kernel, num_args: int, kwargs: dict) -> tuple[str, ...]:
+    """The names of a `@triton.jit` kernel's parameters after its first `num_args`, in its order: the constexprs
+    a direct launch passes after the runtime arguments. TypeError unless those first parameters are all runtime
+    ones and the rest are exactly the constexprs of `kwargs` (besides num_warps / num_stages)."""
+    names = kernel.arg_names
+    rest = tuple(names[num_args:])
+    if any(p.is_constexpr for p in kernel.params[:num_args]) or set(rest) != set(kwargs) - {"num_warps", "num_stages"}:
+        raise TypeError(f"{kernel.fn.__name__}: a direct launch takes the runtime arguments first and the constexprs "
+                        f"after them by keyword; got {list(names[:num_args])} positional and {sorted(kwargs)} by "
+                        f"keyword for parameters {list(names)}")
+    return rest
 
 
 def resource_usage(kernel) -> dict:
