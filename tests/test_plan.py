@@ -159,7 +159,7 @@ h200 decode 64x2048          decode  triton splits=1   m=16  n=32  warps=4 stage
 h200 decode 128x1024         decode  triton splits=1   m=16  n=64  warps=4 stages=2 scratch=0
 h200 decode 16x16384         decode  triton splits=4   m=16  n=32  warps=4 stages=3 scratch=532480
 h200 decode fp8 32x4096      decode  triton splits=1   m=16  n=128 warps=4 stages=3 scratch=0
-h200 decode D=256 g=1        decode  triton splits=8   m=16  n=16  warps=4 stages=3 scratch=264192
+h200 decode D=256 g=1        decode  triton splits=4   m=16  n=16  warps=4 stages=3 scratch=132096
 h200 verify 8x8192 S=4       verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=2129920
 h200 decode 24x4096          decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=399360
 h200 verify 32x4096 S=4      verify  triton splits=1   m=16  n=64  warps=4 stages=3 scratch=0

@@ -15,7 +15,9 @@ stages) they run under those products. Two buffers are the rule: 16 query rows a
 are chosen for one wave of programs: one_wave_tile), 32 and 64 rows on 64-key tiles, 128 rows on 32-key tiles;
 D 192 / 256 (Gemma's 256) at 16 rows on 16-key tiles (41 KB at 256); D <= 64 (gpt-oss) at every row count on 64-key
 tiles; float8 tiles up to 32 rows on their 128-key (64 above D 128) tiles, and above 32 rows at D <= 128 on sm90 /
-sm100 (64-key tiles at D 64; sm89 / sm120 spill registers there, so they keep one buffer).
+sm100 (64-key tiles at D 64; sm89 / sm120 spill registers there, so they keep one buffer). The 16-row D 192 / 256 tile's
+splits aim at 2 per SM too: Gemma-shaped D 256 decode 32x4096 unsplit ran 1.2-1.5 % faster than at 2 splits and
+8x8192 at 4 splits 1 % faster than at 8 (an H100; h200.md, "Session 71").
 Against one buffer: D 128 decode and verify at 16 rows 0-4 % faster in one process (level across processes), gpt-oss's
 full-layer verify 10 % (h200.md, "Session 42"); 32-128 rows (Llama-3-70B's group of 8 at S = 4 / 8 / 16) 1.12-1.39x,
 float8 1.03-1.24x (h200.md, "Session 43"; the earlier sessions' stage counts, 3 or 4, bought no second buffer while
@@ -137,8 +139,9 @@ def _plan(problem: Problem) -> Plan:
         return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=block_n, num_warps=4,
                     num_stages=stages, scratch_bytes=split_scratch_bytes(problem, splits))
     # two-buffer tiles of which an sm90 SM holds at most two programs (registers or shared memory): their splits
-    # aim at two an SM, so that the programs make one wave where they can
-    two_per_sm = stages == 3 and (fp8 or (64 < d <= 128 and block_m >= 32))
+    # aim at two an SM, so that the programs make one wave where they can; so does the 16-row D 192 / 256 tile,
+    # whose splits each write partials twice D 128's width (fewer splits, less to write and merge)
+    two_per_sm = stages == 3 and (fp8 or (64 < d <= 128 and block_m >= 32) or d > 128)
     splits = num_splits(problem, programs, 2 if two_per_sm else SPLIT_RULE["programs_per_sm"])
     return Plan(mode=mode, family="triton", num_splits=splits, block_m=block_m, block_n=block_n,
                 num_warps=4 if block_m <= 32 else 8, num_stages=stages,
