@@ -16,8 +16,8 @@ are chosen for one wave of programs: one_wave_tile), 32 and 64 rows on 64-key ti
 D 192 / 256 (Gemma's 256) at 16 rows on 16-key tiles (41 KB at 256); D <= 64 (gpt-oss) at every row count on 64-key
 tiles; float8 tiles up to 32 rows on their 128-key (64 above D 128) tiles, and above 32 rows at D <= 128 on sm90 /
 sm100 (64-key tiles at D 64; sm89 / sm120 spill registers there, so they keep one buffer). The 16-row D 192 / 256 tile's
-splits aim at 2 per SM too: Gemma-shaped D 256 decode 32x4096 unsplit ran 1.2-1.5 % faster than at 2 splits and
-8x8192 at 4 splits 1 % faster than at 8 (an H100; h200.md, "Session 71").
+splits aim at 2 per SM too (half the splits of the 4-per-SM rule): 1.005-1.023x on every D 256 decode row measured
+(1x32768 to 32x4096, groups 2 and 4; an H100, h200.md, "Session 71"; D 192 not measured).
 Against one buffer: D 128 decode and verify at 16 rows 0-4 % faster in one process (level across processes), gpt-oss's
 full-layer verify 10 % (h200.md, "Session 42"); 32-128 rows (Llama-3-70B's group of 8 at S = 4 / 8 / 16) 1.12-1.39x,
 float8 1.03-1.24x (h200.md, "Session 43"; the earlier sessions' stage counts, 3 or 4, bought no second buffer while
