@@ -33,8 +33,8 @@ Metrics: decode and verify rows report TB/s over the bytes a call must touch (K/
 window: min(L, window_left + S) keys a request, so min(L, window + 1) for decode; all L keys without a window;
 plus q read and out written), extend rows TFLOP/s over the causal triangle (with a window, the keys each query
 sees). Every timed cell also records host_us, the host time of one eager call (host_time: the least of five
-batches; "host N us" on the printed line on a GPU): what a caller without CUDA graphs pays a call. Prints a progress line per row, then
-writes JSON (each row with its model tag and shape) and a PNG chart.
+batches; "host N us" on the printed line on a GPU): what a caller without CUDA graphs pays a call. Prints a
+progress line per row, then writes JSON (each row with its model tag and shape) and a PNG chart.
 
 Options: --out DIR (default benchmarks/results), --rows decode,verify,extend,fp8,models (default; also nosinks),
 --models gpt-oss,gemma,qwen2,llama3-70b (the model rows of these models only; default all),
