@@ -210,3 +210,78 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     assert launched == expected
     assert case != "decode_splits_sinks" or plan.num_splits > 1, plan
     assert (plan.scratch_bytes == 0) == (launched[-1] != "merge"), plan  # a merge reads scratch, nothing else does
+
+
+@pytest.mark.parametrize("case", ["decode_fp8_sinks", "decode_bf16_splits", "extend_kv_start", "mla_narrow_fp8"])
+def test_runtime_launch_passes_what_the_dsl_call_would(case, monkeypatch):
+    """`_runtime.launch` hands a compiled kernel the C pointers its Args marshalled once; the DSL's own call would
+    marshal the same values again (`generate_execution_args`). For real kernels compiled for sm_90a (no GPU: the
+    program's run is replaced by a capture), each pointer the launch passes must point at the bytes the DSL's would:
+    the same device address, stream handle and scalar of the parameter's width."""
+    import contextlib
+    import ctypes
+    from unittest import mock
+
+    from b12x_inductor import kernels, validate
+    from b12x_inductor.kernels.cute import _runtime
+    from b12x_inductor.kernels.triton import decode as triton_decode
+    from tests.test_triton_kernels import make_inputs
+
+    compile_ = cute_dsl.compile
+    monkeypatch.setattr(cute_dsl, "compile", lambda *a, **k: compile_(*a, options="--gpu-arch sm_90a", **k))
+    monkeypatch.setattr(cute, "_check_aligned", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: mock.MagicMock(cuda_stream=0x5A5A00))
+
+    class Merge:
+        def __getitem__(self, grid):
+            return lambda *a, **k: captured.append("merge")
+
+    monkeypatch.setattr(triton_decode, "merge_kernel", Merge())
+    mla = dict(d=576, dv=512, hq=16, hkv=1, v_view=True)
+    kw = {"decode_fp8_sinks": dict(q_len=1, kv_dtype=F8, descale="bh", sinks=True),
+          "decode_bf16_splits": dict(q_len=1, lens=[3000, 70]),
+          "extend_kv_start": dict(q_len=40, kv_start=True),
+          "mla_narrow_fp8": dict(mla, q_len=1, kv_dtype=F8, descale="b", lens=[3000, 70])}[case]
+    t = make_inputs(**{**dict(d=128, hq=8, hkv=2, page_size=16, lens=[100, 70]), **kw})
+    problem = validate.check_paged_attention(
+        t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"], kv_layout="NHD",
+        causal=True, scale=None, window_left=-1, kv_start=t["kv_start"], sinks=t["sinks"], softcap=0.0,
+        k_descale=t["k_descale"], v_descale=t["v_descale"], q_pe=t["q_pe"], out=None)
+    problem = dataclasses.replace(problem, device_type="cuda", capability=(9, 0), sm_count=132)
+    tiles = {"decode_bf16_splits": dict(num_splits=4), "mla_narrow_fp8": mla_narrow_tile(problem)}.get(case, {})
+    plan = family_plan(problem, "cute", **tiles)
+    options = Options.of(problem.head_dim, kv_layout="NHD", causal=True, scale=None, window_left=-1, softcap=0.0)
+    compiled = cute.compile_kernel(problem, plan, options)
+    captured = []
+    monkeypatch.setattr(compiled, "run_compiled_program", lambda exe: captured.append(list(exe)), raising=False)
+    real_launch, real_args = _runtime.launch, cute._launch_args
+    launched, classes = [], []
+    monkeypatch.setattr(_runtime, "launch", lambda c, args: (launched.append(args), real_launch(c, args)))
+    monkeypatch.setattr(cute, "_launch_args", lambda kc, values: (classes.append(kc), real_args(kc, values))[1])
+    for name in ("_compiled", "_compiled_extend", "_compiled_mla"):
+        monkeypatch.setattr(cute, name, lambda key: compiled)
+    q = t["q"]
+    kernels.run(kernels.Call(
+        **{k: t[k] for k in kernels.Call.INPUTS}, out=q.new_empty(q.shape[:-1] + t["v_cache"].shape[-1:]),
+        lse=torch.empty(q.shape[:-1]), scratch=torch.empty(plan.scratch_bytes, dtype=torch.uint8),
+        options=options, plan=plan))
+    assert _runtime._direct(compiled)
+    assert len(launched) == 1 and isinstance(captured[0], list), captured
+    assert captured[1:] == (["merge"] if plan.scratch_bytes else []), (plan, captured)  # partials: a merge
+    assert case not in ("decode_bf16_splits", "mla_narrow_fp8") or plan.scratch_bytes, plan
+    args = launched[0]
+    ours = captured[0]
+    theirs, _ = compiled.execution_args.generate_execution_args(tuple(a.value for a in args), {})
+    assert len(ours) == len(theirs) == len(args)
+
+    def address(p):
+        return p.value if isinstance(p, ctypes.c_void_p) else int(p)
+
+    widths = {"Int32": 4, "Int64": 8, "Float32": 4}
+    for (name, ann), a, mine, dsl in zip(cute._abi(classes[0]), args, ours, theirs):
+        width = widths.get(ann, 8)  # the parameter's width; pointers and the stream: a 64-bit address or handle
+        assert ann not in widths or type(a.value).__name__ == ann, (name, ann, a.value)  # marshalled at its width
+        assert ctypes.string_at(address(mine), width) == ctypes.string_at(address(dsl), width), (name, a.value)
+    streams = [a for a in args if type(a.value).__name__ == "CUstream"]
+    assert len(streams) == 1 and ctypes.c_uint64.from_address(address(streams[0].c)).value == 0x5A5A00

@@ -29,6 +29,7 @@ import torch
 from b12x_inductor.plan import FP8, MAX_VERIFY_LEN, Q_DTYPES_CUDA, device_facts
 from b12x_inductor.validate import cache_dims
 
+from . import _runtime
 from . import plan as _plan
 
 DECODE_HEAD_DIMS = (64, 128, 256)  # decode/verify (decode.py, decode_mma.py): a subset of plan.HEAD_DIMS
@@ -367,8 +368,6 @@ def _extend_key(shapes, plan: dict, options: dict) -> tuple:
 
 
 def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
-    from cuda.bindings.driver import CUstream
-
     from b12x_inductor.kernels.triton import _cache_strides
 
     q, k_cache, v_cache, pt = tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["page_table"]
@@ -389,11 +388,11 @@ def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
     vds, vds_b, vds_h, has_vds = _descale(tensors["v_descale"], lse)
     kv_start, sinks = tensors["kv_start"], tensors["sinks"]
     window, softcap = int(options["window_left"]), float(options["softcap"])
-    stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    stream = _stream(torch.cuda.current_stream(q.device).cuda_stream)
     with torch.cuda.device(q.device):
         from .extend import ExtendKernel
 
-        compiled(*_launch_args(ExtendKernel, dict(
+        _runtime.launch(compiled, _launch_args(ExtendKernel, dict(
             q_ptr=_ptr(q, 16), k_ptr=_ptr(k_cache, 16), v_ptr=_ptr(v_cache, 16), pt_ptr=_ptr(pt, 4, torch.int32),
             seqlens_ptr=_ptr(tensors["cache_seqlens"], 4, torch.int32),
             cu_ptr=_ptr(tensors["cu_seqlens_q"] if packed else int_dummy, 4, torch.int32),
@@ -402,11 +401,11 @@ def _run_extend(tensors: dict, *, out, lse, options: dict, plan: dict) -> None:
             kds_ptr=_ptr(kds, 4, torch.float32), vds_ptr=_ptr(vds, 4, torch.float32), out_ptr=_ptr(out, 2),
             lse_ptr=_ptr(lse, 4),
             **_strides(q_strides, (kp, ko, kh), (vp, vo, vh), pt.stride(0)),
-            kds_b=_i32(kds_b), kds_h=_i32(kds_h), vds_b=_i32(vds_b), vds_h=_i32(vds_h),
-            has_kv_start=_i32(kv_start is not None), has_sinks=_i32(sinks is not None), has_kds=_i32(has_kds),
-            has_vds=_i32(has_vds), window_left=_i32(max(window, 0)), sm_scale=_f32(float(options["scale"])),
-            softcap=_f32(softcap if softcap > 0 else 1.0), k_pages=_i32(k_cache.shape[0]),
-            v_pages=_i32(v_cache.shape[0]), max_pages=_i32(pt.shape[1]), stream=stream)))
+            kds_b=kds_b, kds_h=kds_h, vds_b=vds_b, vds_h=vds_h,
+            has_kv_start=kv_start is not None, has_sinks=sinks is not None, has_kds=has_kds,
+            has_vds=has_vds, window_left=max(window, 0), sm_scale=float(options["scale"]),
+            softcap=softcap if softcap > 0 else 1.0, k_pages=k_cache.shape[0],
+            v_pages=v_cache.shape[0], max_pages=pt.shape[1], stream=stream)))
 
 
 @functools.cache
@@ -431,58 +430,64 @@ def _fake_args(kernel_class, pointers: dict) -> list:
     return out
 
 
+_SCALARS = {"Int32": int, "Int64": int, "Float32": float}  # a scalar parameter's annotation -> its Python value
+
+
 def _launch_args(kernel_class, values: dict) -> list:
-    """A launch's arguments in the kernel's `__call__` order; every name of the signature, and only those."""
-    names = [n for n, _ in _abi(kernel_class)]
-    if set(values) != set(names):
-        raise AssertionError(f"CuTe launch of {kernel_class.__name__}: missing {sorted(set(names) - set(values))}, "
-                             f"unexpected {sorted(set(values) - set(names))}")
-    return [values[n] for n in names]
+    """A launch's arguments in the kernel's `__call__` order (`_runtime.Arg`s; every name of the signature, and
+    only those): pointers and the stream as `_ptr` and `_stream` make them, scalars as Python numbers, made the
+    DSL type of their parameter's annotation here (so the marshalled value is of the parameter's width)."""
+    abi = _abi(kernel_class)
+    names = _abi_names(kernel_class)
+    if values.keys() != names:
+        raise AssertionError(f"CuTe launch of {kernel_class.__name__}: missing {sorted(names - set(values))}, "
+                             f"unexpected {sorted(set(values) - names)}")
+    return [_scalar(ann, _SCALARS[ann](values[n])) if ann in _SCALARS else values[n] for n, ann in abi]
+
+
+@functools.cache
+def _abi_names(kernel_class) -> frozenset:
+    return frozenset(n for n, _ in _abi(kernel_class))
 
 
 def _strides(q: tuple, k: tuple, v: tuple, pt: int) -> dict:
     """The ten Int64 element strides of a launch: q (request, token, head), the caches (page, slot, head),
     the page table's row."""
     names = ("q_sb", "q_ss", "q_sh", "k_sp", "k_so", "k_sh", "v_sp", "v_so", "v_sh", "pt_sb")
-    return {n: _i64(x) for n, x in zip(names, (*q, *k, *v, pt))}
+    return dict(zip(names, (*q, *k, *v, pt)))
 
 
-def _ptr(t: torch.Tensor, align: int, dtype=None):
+def _ptr(t: torch.Tensor, align: int, dtype=None) -> _runtime.Arg:
     """A CuTe global pointer to a tensor's data (`dtype`: the element type to read it as)."""
     return _pointer(t.data_ptr(), dtype or t.dtype, align)
 
 
-# A launch's DSL values are made once per value, not per launch (about 11 pointers and 25 scalars a launch, a
-# microsecond or more each to make): they are immutable, and a serving loop's caches, page tables and shapes
-# repeat, so the eager op's host time a call shrinks by tens of microseconds.
+# A launch's DSL values are made and marshalled once per value, not per launch (about 11 pointers and 25 scalars
+# a launch, a microsecond or more each to make and another to marshal): they are immutable, and a serving loop's
+# caches, page tables and shapes repeat, so the eager op's host time a call shrinks by tens of microseconds.
 @functools.lru_cache(maxsize=256)
-def _pointer(address: int, dtype, align: int):
+def _pointer(address: int, dtype, align: int) -> _runtime.Arg:
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    return make_ptr(_cutlass_dtype(dtype), address, cute.AddressSpace.gmem, assumed_align=align)
+    return _runtime.arg(make_ptr(_cutlass_dtype(dtype), address, cute.AddressSpace.gmem, assumed_align=align))
 
 
 @functools.lru_cache(maxsize=4096)
-def _scalar(kind: str, value):
+def _scalar(kind: str, value) -> _runtime.Arg:
+    """An Int32, Int64 or Float32 launch argument (`kind`) of a Python number."""
     import cutlass
 
-    return getattr(cutlass, kind)(value)
+    return _runtime.arg(getattr(cutlass, kind)(value))
 
 
-def _i32(x):
-    """An Int32 launch argument."""
-    return _scalar("Int32", int(x))
+@functools.lru_cache(maxsize=64)
+def _stream(handle: int) -> _runtime.Arg:
+    """The launch argument of a CUDA stream (torch's current stream's `cuda_stream`): every launch names its
+    stream, or a CUDA-graph capture would leave it out."""
+    from cuda.bindings.driver import CUstream
 
-
-def _i64(x):
-    """An Int64 launch argument."""
-    return _scalar("Int64", int(x))
-
-
-def _f32(x):
-    """A Float32 launch argument."""
-    return _scalar("Float32", float(x))
+    return _runtime.arg(CUstream(handle))
 
 
 def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
@@ -495,10 +500,8 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     if plan["v_from_k"]:  # absorbed MLA (the family's only V read from K's tiles: plan.py)
         _run_mla(tensors, out=out, lse=lse, scratch=scratch, options=options, plan=plan)
         return
-    from cuda.bindings.driver import CUstream
-
     from b12x_inductor.kernels.triton import decode as triton_decode
-    from b12x_inductor.kernels.triton import _cache_strides, split_partials
+    from b12x_inductor.kernels.triton import _cache_strides, merge_step, split_partials
 
     q, k_cache, v_cache, pt = tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["page_table"]
     layout = options["kv_layout"]
@@ -520,28 +523,28 @@ def run(mode: str, tensors: dict, *, out, lse, scratch, options: dict, plan: dic
     kv_start = tensors["kv_start"]
     window = int(options["window_left"])
     softcap = float(options["softcap"])
-    stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    stream = _stream(torch.cuda.current_stream(q.device).cuda_stream)
     with torch.cuda.device(q.device):
         from .decode import SplitKernel
 
-        compiled(*_launch_args(SplitKernel, dict(
+        _runtime.launch(compiled, _launch_args(SplitKernel, dict(
             q_ptr=_ptr(q, q.element_size()), k_ptr=_ptr(k_cache, 16), v_ptr=_ptr(v_cache, 16),
             pt_ptr=_ptr(pt, 4, torch.int32), seqlens_ptr=_ptr(tensors["cache_seqlens"], 4, torch.int32),
             kv_start_ptr=_ptr(kv_start if kv_start is not None else lse, 4, torch.int32),
             kds_ptr=_ptr(kds, 4, torch.float32), vds_ptr=_ptr(vds, 4, torch.float32),
             part_o_ptr=_ptr(part_o, part_o.element_size()),
             part_l_ptr=_ptr(part_l, 4), sinks_ptr=_ptr(sinks_arg, 4, torch.float32),
-            has_sinks=_i32(sinks is not None), batch=_i32(batch),
+            has_sinks=sinks is not None, batch=batch,
             **_strides(q.stride()[:3], (kp, ko, kh), (vp, vo, vh), pt.stride(0)),
-            kds_b=_i32(kds_b), kds_h=_i32(kds_h), vds_b=_i32(vds_b), vds_h=_i32(vds_h),
-            has_kv_start=_i32(kv_start is not None), has_kds=_i32(has_kds), has_vds=_i32(has_vds),
-            window_left=_i32(max(window, 0)), sm_scale=_f32(float(options["scale"])),
-            softcap=_f32(softcap if softcap > 0 else 1.0), k_pages=_i32(k_cache.shape[0]),
-            v_pages=_i32(v_cache.shape[0]), max_pages=_i32(pt.shape[1]), stream=stream)))
+            kds_b=kds_b, kds_h=kds_h, vds_b=vds_b, vds_h=vds_h,
+            has_kv_start=kv_start is not None, has_kds=has_kds, has_vds=has_vds,
+            window_left=max(window, 0), sm_scale=float(options["scale"]),
+            softcap=softcap if softcap > 0 else 1.0, k_pages=k_cache.shape[0],
+            v_pages=v_cache.shape[0], max_pages=pt.shape[1], stream=stream)))
         if splits > 1:
-            grid, merge = triton_decode.merge_launch(batch * s * hq, hq, v_cache.shape[-1], splits)
-            triton_decode.merge_kernel[grid](
-                part_o, part_l, sinks_arg, out, lse, int(sinks is not None), **merge)
+            merge = merge_step(triton_decode.merge_kernel, batch * s * hq, hq, v_cache.shape[-1], splits,
+                               int(sinks is not None), out.dtype)
+            merge.launch_tensors((part_o, part_l, sinks_arg, out, lse))
 
 
 def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> None:
@@ -550,10 +553,8 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
     that merge in their cluster (plan.mla_cluster_merge), the kernel writes `out` (rows on 16 bytes: its stores
     are 16 bytes wide) and `lse`. V is read from K's tiles: v_cache must be k_cache's
     first 512 columns (the same storage, offset and strides), which is checked here (fail closed)."""
-    from cuda.bindings.driver import CUstream
-
     from b12x_inductor.kernels.triton import decode as triton_decode
-    from b12x_inductor.kernels.triton import _cache_strides, split_partials
+    from b12x_inductor.kernels.triton import _cache_strides, merge_step, split_partials
     from b12x_inductor.validate import v_is_prefix_of_k
 
     q, k_cache, v_cache, pt = tensors["q"], tensors["k_cache"], tensors["v_cache"], tensors["page_table"]
@@ -590,26 +591,26 @@ def _run_mla(tensors: dict, *, out, lse, scratch, options: dict, plan: dict) -> 
     softcap = float(options["softcap"])
     kds, kds_b, _, has_kds = _descale(tensors["k_descale"], lse)
     vds, vds_b, _, has_vds = _descale(tensors["v_descale"], lse)
-    stream = CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    stream = _stream(torch.cuda.current_stream(q.device).cuda_stream)
     with torch.cuda.device(q.device):
-        compiled(*_launch_args(mla_kernel_class(plan["num_warps"], plan["block_m"]), dict(
+        _runtime.launch(compiled, _launch_args(mla_kernel_class(plan["num_warps"], plan["block_m"]), dict(
             q_ptr=_ptr(q, 16), qpe_ptr=_ptr(q_pe, 16), k_ptr=_ptr(k_cache, 16), pt_ptr=_ptr(pt, 4, torch.int32),
             seqlens_ptr=_ptr(tensors["cache_seqlens"], 4, torch.int32),
             kv_start_ptr=_ptr(kv_start if kv_start is not None else lse, 4, torch.int32),
             sinks_ptr=_ptr(sinks_arg, 4, torch.float32), part_o_ptr=_ptr(part_o, 16),
             part_l_ptr=_ptr(part_l, 4), out_ptr=_ptr(out, 2), lse_ptr=_ptr(lse, 4), kds_ptr=_ptr(kds, 4),
-            vds_ptr=_ptr(vds, 4), kds_b=_i32(kds_b), vds_b=_i32(vds_b), has_kds=_i32(has_kds),
-            has_vds=_i32(has_vds), batch=_i32(batch),
-            q_sb=_i64(q.stride(0)), q_ss=_i64(q.stride(1)), q_sh=_i64(q.stride(2)), pe_sb=_i64(q_pe.stride(0)),
-            pe_ss=_i64(q_pe.stride(1)), pe_sh=_i64(q_pe.stride(2)), k_sp=_i64(kp),
-            k_so=_i64(ko), pt_sb=_i64(pt.stride(0)), has_kv_start=_i32(kv_start is not None),
-            has_sinks=_i32(sinks is not None), sm_scale=_f32(float(options["scale"])),
-            softcap=_f32(softcap if softcap > 0 else 1.0), k_pages=_i32(k_cache.shape[0]),
-            max_pages=_i32(pt.shape[1]), stream=stream)))
+            vds_ptr=_ptr(vds, 4), kds_b=kds_b, vds_b=vds_b, has_kds=has_kds,
+            has_vds=has_vds, batch=batch,
+            q_sb=q.stride(0), q_ss=q.stride(1), q_sh=q.stride(2), pe_sb=q_pe.stride(0),
+            pe_ss=q_pe.stride(1), pe_sh=q_pe.stride(2), k_sp=kp,
+            k_so=ko, pt_sb=pt.stride(0), has_kv_start=kv_start is not None,
+            has_sinks=sinks is not None, sm_scale=float(options["scale"]),
+            softcap=softcap if softcap > 0 else 1.0, k_pages=k_cache.shape[0],
+            max_pages=pt.shape[1], stream=stream)))
         if not merged:
-            grid, merge = triton_decode.merge_launch(batch * s * hq, hq, MLA_DV, splits)
-            triton_decode.merge_kernel[grid](
-                part_o, part_l, sinks_arg, out, lse, int(sinks is not None), **merge)
+            merge = merge_step(triton_decode.merge_kernel, batch * s * hq, hq, MLA_DV, splits, int(sinks is not None),
+                               out.dtype)
+            merge.launch_tensors((part_o, part_l, sinks_arg, out, lse))
 
 
 def precompile(problem, plan, options) -> None:

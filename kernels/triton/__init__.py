@@ -203,11 +203,14 @@ class _Step:
         return (*self.pick(operands), *self.scalars)
 
     def launch(self, operands: Operands) -> None:
-        """Launches the kernel on the current device's current stream: directly where its tensors are all 16-byte
-        aligned (the launcher made once a device), else through Triton's JIT, which specializes a pointer on its
-        alignment."""
-        tensors = self.pick(operands)
-        if _interpreting() or functools.reduce(operator.or_, map(torch.Tensor.data_ptr, tensors)) & 15:
+        self.launch_tensors(self.pick(operands))
+
+    def launch_tensors(self, tensors: tuple) -> None:
+        """Launches the kernel with its tensors (in its signature's order) on the current device's current stream:
+        directly where they are CUDA tensors all 16-byte aligned (the launcher made once a device), else through
+        Triton's JIT, which specializes a pointer on its alignment."""
+        if (_interpreting() or not tensors[0].is_cuda
+                or functools.reduce(operator.or_, map(torch.Tensor.data_ptr, tensors)) & 15):
             self.kernel[self.grid](*tensors, *self.scalars, **self.kwargs)
             return
         device = torch.cuda.current_device()
@@ -256,10 +259,23 @@ def _steps(x: Launch, plan, options) -> tuple[_Step, ...]:
     steps = [_Step.of(decode.split_kernel, (x.batch * x.hkv * m_tiles, splits), _SPLIT_OPERANDS, common, consts,
                       tune)]
     if splits > 1:
-        merge_grid, merge = decode.merge_launch(x.batch * x.q_len * x.hq, x.hq, x.dv, splits)
-        merge_tune = {k: merge.pop(k) for k in ("num_warps", "num_stages")}
-        steps.append(_Step.of(decode.merge_kernel, merge_grid, _MERGE_OPERANDS, (x.has_sinks,), merge, merge_tune))
+        steps.append(merge_step(decode.merge_kernel, x.batch * x.q_len * x.hq, x.hq, x.dv, splits, x.has_sinks,
+                                x.q_dtype))
     return tuple(steps)
+
+
+@functools.lru_cache(maxsize=256)
+def merge_step(kernel, rows: int, hq: int, dv: int, splits: int, has_sinks: int, dtype: torch.dtype) -> _Step:
+    """The merge kernel's launch (`kernel`: decode.merge_kernel) over `rows` = B x S x Hq rows of `splits`
+    partials of Dv values, with or without sinks (both families' split kernels write the partials:
+    split_partials). Its tensors, in order: part_o and out of `dtype` (out's), part_l, sinks (or a float32
+    dummy) and lse float32 (_MERGE_OPERANDS)."""
+    from . import decode
+
+    del dtype  # a key only: the step's direct launcher is compiled for these dtypes
+    grid, merge = decode.merge_launch(rows, hq, dv, splits)
+    tune = {k: merge.pop(k) for k in ("num_warps", "num_stages")}
+    return _Step.of(kernel, grid, _MERGE_OPERANDS, (has_sinks,), merge, tune)
 
 
 def _launch(launch: Launch, operands: Operands, plan, options, *, warmup=False, compile_with=None):
