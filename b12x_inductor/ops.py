@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from b12x_inductor import validate
+from b12x_inductor import kernels, validate
 from b12x_inductor.kernels import Call, Options
 from b12x_inductor.plan import MODES, Plan, select_plan
 
@@ -70,7 +70,8 @@ def _run_plan(plan: Plan, q, k_cache, v_cache, page_table, cache_seqlens, cu_seq
     """Runs `plan` as its entry op would (`_run_entry`), called directly: the eager op's arguments are
     checked, so a second trip through the dispatcher would only add host time."""
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=q.device)
+    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=q.device) if plan.scratch_bytes else \
+        _no_scratch(q.device)
     _run_entry(Call(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
                     cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, sinks=sinks, k_descale=k_descale,
                     v_descale=v_descale, key_mask=key_mask, q_pe=q_pe, out=out, lse=lse, scratch=scratch,
@@ -78,13 +79,17 @@ def _run_plan(plan: Plan, q, k_cache, v_cache, page_table, cache_seqlens, cu_seq
     return lse
 
 
+@functools.lru_cache(maxsize=16)
+def _no_scratch(device: torch.device) -> torch.Tensor:
+    """The scratch of a plan that needs none (no bytes: nothing reads or writes it), one per device."""
+    return torch.empty(0, dtype=torch.uint8, device=device)
+
+
 def _run_entry(call: Call) -> None:
     """What an entry op runs: the device-value checks where B12X_DEBUG asks for them, then the plan's family."""
     if validate.debug_enabled():
         validate.check_device_values(call.q, call.k_cache, call.page_table, call.cache_seqlens, call.cu_seqlens_q,
                                      call.kv_start, call.options.kv_layout)
-    from b12x_inductor import kernels
-
     kernels.run(call)
 
 
@@ -136,16 +141,26 @@ def _paged_attention_out_fake(q, k_cache, v_cache, page_table, cache_seqlens, cu
     return q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
+@functools.lru_cache(maxsize=1024)
+def _entry_constants(mode: str, scratch_bytes: int, kv_layout, causal, scale, window_left, softcap, family, num_splits,
+                     block_m, block_n, num_warps, num_stages, v_from_k) -> tuple[Options, Plan]:
+    """The Options and the Plan of an entry op's constants, made once per distinct set (an entry op is called with
+    the same literals at every step of a compiled graph)."""
+    return (Options(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left, softcap=softcap),
+            Plan.of_entry(mode, scratch_bytes, family=family, num_splits=num_splits, block_m=block_m,
+                          block_n=block_n, num_warps=num_warps, num_stages=num_stages, v_from_k=v_from_k))
+
+
 def _entry(mode: str):
     def impl(q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, kv_start, sinks, k_descale, v_descale,
-             key_mask, q_pe, out, lse, scratch, *, kv_layout, causal, scale, window_left, softcap, family, **plan):
+             key_mask, q_pe, out, lse, scratch, *, kv_layout, causal, scale, window_left, softcap, family, num_splits,
+             block_m, block_n, num_warps, num_stages, v_from_k):
+        options, plan = _entry_constants(mode, scratch.numel(), kv_layout, causal, scale, window_left, softcap, family,
+                                         num_splits, block_m, block_n, num_warps, num_stages, v_from_k)
         _run_entry(Call(
             q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, cache_seqlens=cache_seqlens,
             cu_seqlens_q=cu_seqlens_q, kv_start=kv_start, sinks=sinks, k_descale=k_descale, v_descale=v_descale,
-            key_mask=key_mask, q_pe=q_pe, out=out, lse=lse, scratch=scratch,
-            options=Options(kv_layout=kv_layout, causal=causal, scale=scale, window_left=window_left,
-                            softcap=softcap),
-            plan=Plan.of_entry(mode, scratch.numel(), family=family, **plan)))
+            key_mask=key_mask, q_pe=q_pe, out=out, lse=lse, scratch=scratch, options=options, plan=plan))
 
     def fake(*args, **kwargs):
         return None

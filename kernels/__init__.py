@@ -119,11 +119,17 @@ class KernelFamily(Protocol):
     def run(self, call: Call) -> None: ...
 
 
+_FAMILIES: dict[str, KernelFamily] = {}  # name -> its module's FAMILY, imported at the first use
+
+
 def family(name: str) -> KernelFamily:
     """The family object of a plan's family name."""
-    if name not in _MODULES:
-        raise ValueError(f"paged_attention: plan family must be one of {FAMILY_ORDER}; got {name!r}")
-    return importlib.import_module(_MODULES[name]).FAMILY
+    found = _FAMILIES.get(name)
+    if found is None:
+        if name not in _MODULES:
+            raise ValueError(f"paged_attention: plan family must be one of {FAMILY_ORDER}; got {name!r}")
+        found = _FAMILIES[name] = importlib.import_module(_MODULES[name]).FAMILY
+    return found
 
 
 def run(call: Call) -> None:
