@@ -10,7 +10,8 @@ and every plan runs on Triton. `run` launches the plan's kernel on torch's curre
 without an explicit stream is silently left out of a CUDA-graph capture): for decode/verify the split
 kernel and then the Triton merge kernel, which combines the splits with the sink into `out` and `lse` (a
 split kernel with one split writes them itself, as the MLA kernel does with splits merged in their cluster); for
-extend one kernel that writes `out` and `lse`. It writes
+extend one kernel that writes `out` and `lse`. A launch's values (pointers, scalars, the stream) are made and
+marshalled once per value and handed to the compiled kernel through `_runtime.launch`. It writes
 only out, lse and the plan's scratch, allocates nothing and never syncs. `precompile` compiles the kernel for
 a plan ahead (in memory, and in the DSL's own file cache on disk), so no compile ever happens inside a capture.
 
