@@ -116,6 +116,20 @@ def test_narrow_cluster_compiles_for_sm90a(kv_dtype, q_len, heads, splits, monke
     assert cute.compile_kernel(p, plan, options) is not None
 
 
+def _inputs_on_sm90(kw: dict):
+    """(tensors, Problem) of one call on the CPU (make_inputs with `kw` over a small GQA default), its Problem as an
+    sm_90 GPU of 132 SMs would have it, so that the CuTe family plans it."""
+    from b12x_inductor import validate
+    from tests.test_triton_kernels import make_inputs
+
+    t = make_inputs(**{**dict(d=128, hq=8, hkv=2, page_size=16, lens=[100, 70]), **kw})
+    problem = validate.check_paged_attention(
+        t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"], kv_layout="NHD",
+        causal=True, scale=None, window_left=-1, kv_start=t["kv_start"], sinks=t["sinks"], softcap=0.0,
+        k_descale=t["k_descale"], v_descale=t["v_descale"], q_pe=t["q_pe"], out=None)
+    return t, dataclasses.replace(problem, device_type="cuda", capability=(9, 0), sm_count=132)
+
+
 @pytest.mark.parametrize("case", ["decode", "decode_splits_sinks", "verify_fp8_features", "extend_sinks",
                                   "packed_kv_start", "mla_decode",
                                   "mla_verify_one_split", "mla_decode_q_pe", "mla_decode_narrow_fp8",
@@ -129,12 +143,11 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
     import contextlib
     from unittest import mock
 
-    from b12x_inductor import kernels, validate
+    from b12x_inductor import kernels
     from b12x_inductor.kernels.cute.decode import SplitKernel
     from b12x_inductor.kernels.cute.extend import ExtendKernel
     from b12x_inductor.kernels.cute.plan import mla_narrow_tile
     from b12x_inductor.kernels.triton import decode as triton_decode
-    from tests.test_triton_kernels import make_inputs
 
     launched = []
 
@@ -182,12 +195,7 @@ def test_launch_arguments_follow_the_kernel_signature(case, monkeypatch):
           "mla_decode_narrow_fp8_cluster": dict(mla, q_len=1, kv_dtype=F8, descale="b", lens=[3000, 70]),
           "mla_decode_cluster": dict(mla, q_len=1, sinks=True, lens=[3000, 70]),
           "mla_verify_seesaw_cluster": dict(mla, q_len=4, kv_start=True, lens=[3000, 70])}[case]
-    t = make_inputs(**{**dict(d=128, hq=8, hkv=2, page_size=16, lens=[100, 70]), **kw})
-    problem = validate.check_paged_attention(
-        t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"], kv_layout="NHD",
-        causal=True, scale=None, window_left=-1, kv_start=t["kv_start"], sinks=t["sinks"], softcap=0.0,
-        k_descale=t["k_descale"], v_descale=t["v_descale"], q_pe=t["q_pe"], out=None)
-    problem = dataclasses.replace(problem, device_type="cuda", capability=(9, 0), sm_count=132)
+    t, problem = _inputs_on_sm90(kw)
     seesaw = dict(block_n=64, num_stages=2, num_warps=8)
     tiles = {"mla_verify_one_split": dict(seesaw, num_splits=1), "mla_decode_narrow_fp8": mla_narrow_tile(problem),
              "mla_decode_narrow_fp8_cluster": dict(mla_narrow_tile(problem), num_splits=2),
@@ -222,10 +230,9 @@ def test_runtime_launch_passes_what_the_dsl_call_would(case, monkeypatch):
     import ctypes
     from unittest import mock
 
-    from b12x_inductor import kernels, validate
+    from b12x_inductor import kernels
     from b12x_inductor.kernels.cute import _runtime
     from b12x_inductor.kernels.triton import decode as triton_decode
-    from tests.test_triton_kernels import make_inputs
 
     compile_ = cute_dsl.compile
     monkeypatch.setattr(cute_dsl, "compile", lambda *a, **k: compile_(*a, options="--gpu-arch sm_90a", **k))
@@ -243,12 +250,7 @@ def test_runtime_launch_passes_what_the_dsl_call_would(case, monkeypatch):
           "decode_bf16_splits": dict(q_len=1, lens=[3000, 70]),
           "extend_kv_start": dict(q_len=40, kv_start=True),
           "mla_narrow_fp8": dict(mla, q_len=1, kv_dtype=F8, descale="b", lens=[3000, 70])}[case]
-    t = make_inputs(**{**dict(d=128, hq=8, hkv=2, page_size=16, lens=[100, 70]), **kw})
-    problem = validate.check_paged_attention(
-        t["q"], t["k_cache"], t["v_cache"], t["page_table"], t["cache_seqlens"], t["cu_seqlens_q"], kv_layout="NHD",
-        causal=True, scale=None, window_left=-1, kv_start=t["kv_start"], sinks=t["sinks"], softcap=0.0,
-        k_descale=t["k_descale"], v_descale=t["v_descale"], q_pe=t["q_pe"], out=None)
-    problem = dataclasses.replace(problem, device_type="cuda", capability=(9, 0), sm_count=132)
+    t, problem = _inputs_on_sm90(kw)
     tiles = {"decode_bf16_splits": dict(num_splits=4), "mla_narrow_fp8": mla_narrow_tile(problem)}.get(case, {})
     plan = family_plan(problem, "cute", **tiles)
     options = Options.of(problem.head_dim, kv_layout="NHD", causal=True, scale=None, window_left=-1, softcap=0.0)
