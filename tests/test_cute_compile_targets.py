@@ -287,3 +287,48 @@ def test_runtime_launch_passes_what_the_dsl_call_would(case, monkeypatch):
         assert ctypes.string_at(address(mine), width) == ctypes.string_at(address(dsl), width), (name, a.value)
     streams = [a for a in args if type(a.value).__name__ == "CUstream"]
     assert len(streams) == 1 and ctypes.c_uint64.from_address(address(streams[0].c)).value == 0x5A5A00
+
+
+def test_runtime_launch_falls_back_to_the_call_where_it_cannot_drive_the_function():
+    """`_runtime.launch` runs the marshalled pointers only on a function that takes them as its call would: no
+    recorded spec to check, no full argument check, no slot that converts Python addresses. Anything else (or a
+    function without `run_compiled_program`) is called with the values, which marshals them itself. `arg` takes
+    one C pointer a value and refuses more."""
+    import types
+
+    from b12x_inductor.kernels.cute import _runtime
+
+    class Compiled:  # what `_direct` reads of the DSL's JIT-compiled function
+        def __init__(self, spec=None, full=False, specs=(None, None)):
+            self._pyir_spec = spec
+            self.execution_args = types.SimpleNamespace(_full_arg_check=full, _pointer_address_arg_specs=list(specs))
+            self.ran, self.called = [], []
+
+        def run_compiled_program(self, exe):
+            self.ran.append(exe)
+
+        def __call__(self, *values):
+            self.called.append(values)
+
+    class Plain:
+        def __init__(self):
+            self.called = []
+
+        def __call__(self, *values):
+            self.called.append(values)
+
+    args = [_runtime.Arg("q", 10), _runtime.Arg("stride", 11)]
+    for fn, direct in ((Compiled(), True), (Compiled(spec=object()), False), (Compiled(full=True), False),
+                       (Compiled(specs=(None, True)), False)):
+        _runtime.launch(fn, args)
+        assert (fn.ran, fn.called) == (([[10, 11]], []) if direct else ([], [("q", "stride")]))
+    plain = Plain()
+    _runtime.launch(plain, args)
+    assert plain.called == [("q", "stride")]
+
+    class Two:
+        def __c_pointers__(self):
+            return [1, 2]
+
+    with pytest.raises(TypeError, match="one C pointer"):
+        _runtime.arg(Two())
