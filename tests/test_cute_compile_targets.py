@@ -52,17 +52,19 @@ def _cases():
                      dict(block_m=192, num_warps=16)))
     mla = dict(num_q_heads=128, num_kv_heads=1, head_dim=576, v_head_dim=512, v_in_k=True)
     seesaw = dict(block_n=64, num_stages=2, num_warps=8)  # mla_seesaw.py where the plan is mla.py
-    # the last two: 2 splits, merged in their cluster (plan.mla_cluster_merge), as the third float8 one below
+    # the two of 2 splits merge in their cluster (plan.mla_cluster_merge), as the third float8 one below does
     for q_len, heads, page, tiles in ((1, 128, 64, {}), (1, 16, 1, {}), (4, 16, 16, seesaw),
                                       (2, 128, 128, dict(seesaw, num_splits=1)), (4, 16, 8, {}),
-                                      (1, 128, 64, dict(seesaw, num_splits=2)), (1, 16, 16, dict(num_splits=2))):
+                                      (1, 128, 64, dict(seesaw, num_splits=2)), (1, 16, 16, dict(num_splits=2)),
+                                      (1, 128, 256, {})):  # pages of 256 keys: 64-key TMA boxes of one page
         grid.append((dict(mla, q_len=q_len, num_q_heads=heads, page_size=page), tiles))  # mla(_seesaw).py
     for q_len, heads, page, q_dtype, tiles in ((1, 16, 64, torch.bfloat16, {}), (4, 128, 1, torch.float16, {}),
                                                (2, 128, 64, torch.bfloat16, dict(num_splits=2))):
         grid.append((dict(mla, q_len=q_len, num_q_heads=heads, page_size=page, q_dtype=q_dtype, kv_dtype=F8), tiles))
     for q_len, heads, page, q_dtype, kv_dtype in ((1, 16, 64, torch.bfloat16, torch.bfloat16),
                                                    (2, 8, 1, torch.float16, torch.float16),
-                                                   (1, 16, 16, torch.bfloat16, F8)):  # mla_narrow.py
+                                                   (1, 16, 16, torch.bfloat16, F8),
+                                                   (1, 16, 256, torch.bfloat16, F8)):  # mla_narrow.py
         kw = dict(mla, q_len=q_len, num_q_heads=heads, page_size=page, q_dtype=q_dtype, kv_dtype=kv_dtype)
         grid.append((kw, mla_narrow_tile(_problem(**kw))))
     cases = []
@@ -85,7 +87,7 @@ def test_the_grid_reaches_every_kernel():
     assert {("decode", 1), ("decode", 16), ("verify", 1), ("extend", 128), ("extend", 192)} <= modes, modes
     assert ("decode", 64) in modes and ("verify", 64) in modes  # mla.py, mla_seesaw.py
     assert {(c[2].block_m, c[2].num_warps) for c in CASES if c[2].v_from_k} == {(64, 8), (64, 12), (16, 12)}
-    assert {c[1].page_size for c in CASES} == {1, 8, 16, 64, 128}  # cp.async only, TMA boxes of 8 to 64
+    assert {c[1].page_size for c in CASES} == {1, 8, 16, 64, 128, 256}  # cp.async only, TMA boxes of 8 to 64
     clusters = {(c[2].num_warps, c[1].kv_dtype) for c in CASES if c[2].v_from_k and c[2].num_splits == 2
                 and c[2].block_m == 64}  # the cluster merge (plan.mla_cluster_merge): seesaw, ring, float8 ring
     assert clusters == {(8, torch.bfloat16), (12, torch.bfloat16), (12, F8)}, clusters

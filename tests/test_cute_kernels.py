@@ -816,6 +816,11 @@ MLA_CASES = [(c[0], c[1], c[2] if len(c) > 2 else {}) for c in TRITON_GPU_CASES
     ("mla_verify_s2_h8_p128", dict(MLA, batch=2, q_len=2, hq=8, page_size=128, lens=[900, 3], nan_unused=True), {}),
     ("mla_verify_s3_h4_fp8_fp16", dict(MLA, batch=2, q_len=3, hq=4, page_size=16, lens=[260, 64], kv_dtype=F8,
                                        dtype=torch.float16, descale="scalar", kv_start=True, nan_unused=True), {}),
+    # pages of 256 keys (issue 18's largest page size): a tile is part of one page (TMA boxes of a whole tile), a
+    # request's last page part full; a 16-bit cache at 128 heads, and a float8 one at 16 heads with kv_start
+    ("mla_decode_h128_p256", dict(MLA, batch=2, hq=128, page_size=256, lens=[1500, 7], nan_unused=True), {}),
+    ("mla_decode_h16_fp8_p256", dict(MLA, batch=2, hq=16, page_size=256, lens=[3000, 300], kv_dtype=F8,
+                                     descale="b", kv_start=True, nan_unused=True), {}),
 ]
 # the plan (kernels/cute/plan.py's mla_plan); one split (the kernel writes out and lse itself, sink folded in);
 # 2 splits (merged in their cluster: plan.mla_cluster_merge); 3 (uneven ranges; partials and the Triton merge
