@@ -641,13 +641,17 @@ def compile_kernel(problem, plan, options):
 
 @functools.cache
 def _precompile_merge(problem, splits: int) -> None:
+    """Compiles and loads the merge launch `run` makes for the problem (merge_step: its grid and constants)."""
     from b12x_inductor.kernels.triton import decode as triton_decode
+    from b12x_inductor.kernels.triton import merge_step
     from b12x_inductor.kernels.triton._compile_only import load_now
 
     hq = problem.num_q_heads
-    grid, merge = triton_decode.merge_launch(problem.batch * problem.q_len * hq, hq, problem.v_head_dim, splits)
-    k = triton_decode.merge_kernel.warmup(  # partials in out's dtype (q's), LSEs, sinks, out, lse
-        problem.q_dtype, torch.float32, torch.float32, problem.q_dtype, torch.float32, 0, grid=grid, **merge)
+    step = merge_step(triton_decode.merge_kernel, problem.batch * problem.q_len * hq, hq, problem.v_head_dim, splits,
+                      0, problem.q_dtype)
+    k = step.kernel.warmup(  # partials in out's dtype (q's), LSEs, sinks, out, lse; has_sinks
+        problem.q_dtype, torch.float32, torch.float32, problem.q_dtype, torch.float32, *step.scalars, grid=step.grid,
+        **step.kwargs)
     load_now(k)
 
 
