@@ -691,6 +691,7 @@ def test_gpu_direct_launch_only_for_aligned_tensors(mode, monkeypatch):
 
     monkeypatch.setattr(_compile_only, "direct_launcher", spy)
     triton_kernels._steps.cache_clear()  # steps made by earlier tests hold launchers made without the spy
+    triton_kernels.merge_step.cache_clear()  # and so may the merge steps, which both families share
     kw = dict(batch=3, hq=16, hkv=4, d=128, page_size=16, lens=[900, 260, 70], spare_pages=4)
     if mode == "extend":
         kw["q_len"] = 40
