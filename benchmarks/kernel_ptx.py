@@ -48,19 +48,22 @@ def cute_configs():
         ("extend", (64, 4, 32, 4, 2048, 64, True, 128, 4, bf, True, True, True, 132)),
         ("extend", (128, 1, 8, 2, 300, 1, True, 128, 3, fp, False, False, False, 132)),
         # mla: (s, hq, page, splits, tile_n, stages, q, causal, softcap, kv, warps: 12 mla.py, 8 mla_seesaw.py,
-        # block_m: 64, or 16 mla_narrow.py)
-        ("mla", (1, 128, 64, 2, 32, 4, bf, False, False, bf, 12, 64)),
-        ("mla", (4, 16, 1, 1, 32, 4, bf, True, True, bf, 12, 64)),
-        ("mla", (1, 128, 64, 2, 64, 2, bf, False, False, bf, 8, 64)),
-        ("mla", (4, 16, 16, 1, 64, 2, fp, True, True, fp, 8, 64)),
-        ("mla", (1, 16, 64, 4, 32, 4, bf, False, True, f8, 12, 64)),
-        ("mla", (1, 16, 64, 4, 64, 2, bf, False, False, bf, 12, 16)),
-        ("mla", (2, 8, 1, 1, 64, 2, fp, True, True, fp, 12, 16)),
-        ("mla", (1, 16, 64, 4, 64, 5, bf, False, False, f8, 12, 16)),
-        ("mla", (1, 16, 16, 1, 64, 5, fp, False, True, f8, 12, 16)),
+        # block_m: 64, or 16 mla_narrow.py, cluster: a pair of splits merged in the cluster)
+        ("mla", (1, 128, 64, 2, 32, 4, bf, False, False, bf, 12, 64, False)),
+        ("mla", (4, 16, 1, 1, 32, 4, bf, True, True, bf, 12, 64, False)),
+        ("mla", (1, 128, 64, 2, 64, 2, bf, False, False, bf, 8, 64, False)),
+        ("mla", (4, 16, 16, 1, 64, 2, fp, True, True, fp, 8, 64, False)),
+        ("mla", (1, 16, 64, 4, 32, 4, bf, False, True, f8, 12, 64, False)),
+        ("mla", (1, 16, 64, 4, 64, 2, bf, False, False, bf, 12, 16, False)),
+        ("mla", (2, 8, 1, 1, 64, 2, fp, True, True, fp, 12, 16, False)),
+        ("mla", (1, 16, 64, 4, 64, 5, bf, False, False, f8, 12, 16, False)),
+        ("mla", (1, 16, 16, 1, 64, 5, fp, False, True, f8, 12, 16, False)),
         # D 256 extend (Gemma's): 48-key tiles in 3 stages at pages of 16, 32 x 4 at pages of 64 (plan.extend_tiles)
         ("extend", (256, 2, 16, 4, 4096, 16, False, 48, 3, bf, True, False, False, 132)),
         ("extend", (256, 2, 16, 2, 700, 64, True, 32, 4, bf, True, True, True, 132)),
+        # MLA splits merged in a cluster pair (plan.mla_cluster_merge): the narrow kernel (float8), mla.py
+        ("mla", (1, 16, 64, 2, 64, 5, bf, False, False, f8, 12, 16, True)),
+        ("mla", (1, 128, 64, 2, 32, 4, bf, False, False, bf, 12, 64, True)),
     ]
 
 
