@@ -35,18 +35,19 @@ def cute_configs():
     import torch
 
     f8, bf, fp = torch.float8_e4m3fn, torch.bfloat16, torch.float16
-    # split: (d, s, g, hkv, page, splits, block_m, tile_n, stages, warps, q, kv, causal, window, softcap)
-    # extend: (d, g, hq, batch, s, page, packed, tile_n, stages, q, causal, window, softcap, sm_count)
+    # split: (d, s, g, hkv, page, splits, block_m, tile_n, stages, warps, q, kv, causal, window, softcap, sm_count)
+    # extend: (d, g, hq, batch, s, page, packed, tile_n, stages, q, causal, window, softcap, sm_count, block_m)
+    # (the keys of kernels/cute/__init__.py's _compiled, _compiled_extend and _compiled_mla)
     return [
-        ("split", (128, 1, 4, 8, 16, 8, 1, 64, 2, 4, bf, bf, False, False, False)),
-        ("split", (64, 1, 4, 8, 16, 8, 1, 64, 2, 4, bf, bf, False, True, True)),
-        ("split", (128, 1, 4, 8, 16, 8, 16, 128, 2, 4, bf, f8, False, False, False)),
-        ("split", (128, 1, 4, 8, 64, 8, 16, 128, 2, 4, fp, f8, False, True, False)),
-        ("split", (128, 4, 4, 8, 16, 8, 1, 64, 2, 4, fp, f8, True, True, False)),
-        ("split", (256, 2, 8, 2, 5, 4, 1, 64, 2, 4, bf, bf, True, False, True)),
-        ("extend", (128, 4, 32, 4, 1024, 16, False, 128, 3, bf, True, False, False, 132)),
-        ("extend", (64, 4, 32, 4, 2048, 64, True, 128, 4, bf, True, True, True, 132)),
-        ("extend", (128, 1, 8, 2, 300, 1, True, 128, 3, fp, False, False, False, 132)),
+        ("split", (128, 1, 4, 8, 16, 8, 1, 64, 2, 4, bf, bf, False, False, False, 132)),
+        ("split", (64, 1, 4, 8, 16, 8, 1, 64, 2, 4, bf, bf, False, True, True, 132)),
+        ("split", (128, 1, 4, 8, 16, 8, 16, 128, 2, 4, bf, f8, False, False, False, 132)),
+        ("split", (128, 1, 4, 8, 64, 8, 16, 128, 2, 4, fp, f8, False, True, False, 132)),
+        ("split", (128, 4, 4, 8, 16, 8, 1, 64, 2, 4, fp, f8, True, True, False, 132)),
+        ("split", (256, 2, 8, 2, 5, 4, 1, 64, 2, 4, bf, bf, True, False, True, 132)),
+        ("extend", (128, 4, 32, 4, 1024, 16, False, 128, 3, bf, True, False, False, 132, 128)),
+        ("extend", (64, 4, 32, 4, 2048, 64, True, 128, 4, bf, True, True, True, 132, 128)),
+        ("extend", (128, 1, 8, 2, 300, 1, True, 128, 3, fp, False, False, False, 132, 128)),
         # mla: (s, hq, page, splits, tile_n, stages, q, causal, softcap, kv, warps: 12 mla.py, 8 mla_seesaw.py,
         # block_m: 64, or 16 mla_narrow.py, cluster: a pair of splits merged in the cluster)
         ("mla", (1, 128, 64, 2, 32, 4, bf, False, False, bf, 12, 64, False)),
@@ -59,8 +60,8 @@ def cute_configs():
         ("mla", (1, 16, 64, 4, 64, 5, bf, False, False, f8, 12, 16, False)),
         ("mla", (1, 16, 16, 1, 64, 5, fp, False, True, f8, 12, 16, False)),
         # D 256 extend (Gemma's): 48-key tiles in 3 stages at pages of 16, 32 x 4 at pages of 64 (plan.extend_tiles)
-        ("extend", (256, 2, 16, 4, 4096, 16, False, 48, 3, bf, True, False, False, 132)),
-        ("extend", (256, 2, 16, 2, 700, 64, True, 32, 4, bf, True, True, True, 132)),
+        ("extend", (256, 2, 16, 4, 4096, 16, False, 48, 3, bf, True, False, False, 132, 128)),
+        ("extend", (256, 2, 16, 2, 700, 64, True, 32, 4, bf, True, True, True, 132, 128)),
         # MLA splits merged in a cluster pair (plan.mla_cluster_merge): the narrow kernel (float8), mla.py
         ("mla", (1, 16, 64, 2, 64, 5, bf, False, False, f8, 12, 16, True)),
         ("mla", (1, 128, 64, 2, 32, 4, bf, False, False, bf, 12, 64, True)),

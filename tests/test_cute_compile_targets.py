@@ -118,6 +118,28 @@ def test_narrow_cluster_compiles_for_sm90a(kv_dtype, q_len, heads, splits, monke
     assert cute.compile_kernel(p, plan, options) is not None
 
 
+def test_kernel_ptx_configurations_are_compile_keys(monkeypatch):
+    """benchmarks/kernel_ptx.py (PTX of fixed configurations, to check a refactor without device time) hands its
+    configurations to `_compiled`, `_compiled_extend` and `_compiled_mla` as their keys: each must unpack and make
+    its kernel (cute.compile stubbed, so nothing compiles here). Keys that gained a field left it unusable twice."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "kernel_ptx.py"
+    spec = importlib.util.spec_from_file_location("kernel_ptx", path)
+    kernel_ptx = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel_ptx)
+    made = []
+    monkeypatch.setattr(cute_dsl, "compile", lambda kernel, *a, **k: made.append(type(kernel).__name__))
+    build = {"split": cute._compiled, "extend": cute._compiled_extend, "mla": cute._compiled_mla}
+    configs = kernel_ptx.cute_configs()
+    for kind, key in configs:
+        build[kind].__wrapped__(key)
+    assert len(made) == len(configs)
+    assert {"SplitKernel", "MmaSplitKernel", "ExtendKernel", "MlaSplitKernel", "MlaSeesawKernel",
+            "MlaNarrowKernel"} <= set(made), made
+
+
 def _inputs_on_sm90(kw: dict):
     """(tensors, Problem) of one call on the CPU (make_inputs with `kw` over a small GQA default), its Problem as an
     sm_90 GPU of 132 SMs would have it, so that the CuTe family plans it."""
