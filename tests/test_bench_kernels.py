@@ -13,10 +13,13 @@ import torch
 from b12x_inductor.bench import kernels, parse_sizes
 from b12x_inductor.bench import mla as mla_bench
 
-# the default groups' labels as every earlier run printed them (benchmarks/results/kernels_h200.json)
+# the default groups' labels as every earlier run printed them (benchmarks/results/kernels_h200.json), and the
+# verify rows at S=2 and S=8 that session 74 added after the S=4 ones
 DEFAULT_LABELS = [
     "decode 1x32768", "decode 8x8192", "decode 32x4096", "decode 64x2048", "decode 128x1024", "decode 16x16384",
     "verify 8x8192", "verify 32x4096", "verify 64x2048",
+    "verify S=2 8x8192", "verify S=2 32x4096", "verify S=2 64x2048",
+    "verify S=8 8x8192", "verify S=8 32x4096", "verify S=8 64x2048",
     "extend 4x4096", "extend 1x16384",
     "decode-fp8 1x32768", "decode-fp8 8x8192", "decode-fp8 32x4096", "decode-fp8 64x2048", "decode-fp8 128x1024",
     "decode-fp8 16x16384",
@@ -42,7 +45,7 @@ def test_default_rows_unchanged():
     rows = kernels.build_rows("decode,verify,extend,fp8".split(","))
     assert [r.label for r in rows] == DEFAULT_LABELS
     assert {r.shape for r in rows} == {kernels.Shape(hq=32, hkv=8, d=128, page=16, window_left=-1, sinks=False)}
-    assert [r.q_len for r in rows if r.mode == "verify"] == [4, 4, 4]
+    assert [r.q_len for r in rows if r.mode == "verify"] == [4, 4, 4, 2, 2, 2, 8, 8, 8]
     assert [r.q_len for r in rows if r.mode == "extend"] == [4096, 16384]
     assert kernels.DEFAULT_ROWS.split(",") == ["decode", "verify", "extend", "fp8", "models"]
     # --head-dim changes the default rows only (and says so in their labels); --page-size every row
@@ -86,7 +89,8 @@ def test_dry_run_main(cpu_bench, tmp_path):
     rows = {r["row"]: r for r in doc["rows"]}
     expected = [r.label for r in kernels.build_rows(["models", "verify"], sizes=[(2, 256)])]
     assert list(rows) == expected and "verify 2x256" in rows and "gpt-oss swa128 decode 2x256" in rows
-    assert len(expected) == 10  # the model rows' sizes collapse onto 2x256: one row per model shape and mode
+    assert len(expected) == 12  # the sizes collapse onto 2x256: one row per model shape and mode, and per verify S
+    assert [rows[f"verify {s}2x256"]["q_len"] for s in ("", "S=2 ", "S=8 ")] == [4, 2, 8]
     sweep = [r.label for r in kernels.build_rows(["decode", "fp8"], sizes=parse_sizes("2x256,3x128"))]
     assert sweep == ["decode 2x256", "decode-fp8 2x256", "decode 3x128", "decode-fp8 3x128"], sweep
     for bad in ("2x", "2x256,3", "0x64", "2x64x1", "ax64"):  # a bad --sizes names the option, kernels and mla

@@ -46,6 +46,11 @@ def table() -> str:
         # unsplit on 64-key tiles with one buffer
         _row("h200 decode 24x4096", batch=24, q_len=1, max_pages=256, **H200),
         _row("h200 verify 32x4096 S=4", batch=32, q_len=4, max_pages=256, **H200),
+        # the bench's other verify lengths: S=2 pads to decode's 16-row tile, S=8 is 32 rows a KV head
+        _row("h200 verify 32x4096 S=2", batch=32, q_len=2, max_pages=256, **H200),
+        _row("h200 verify 32x4096 S=8", batch=32, q_len=8, max_pages=256, **H200),
+        _row("h200 verify 8x8192 S=8", batch=8, q_len=8, max_pages=512, **H200),
+        _row("h200 verify 64x2048 S=8", batch=64, q_len=8, max_pages=128, **H200),
         *[_row(f"h200 decode {b}x4096", batch=b, q_len=1, max_pages=256, **H200)
           for b in (49, 50, 64, 72, 96, 120, 128, 160)],
         _row("h200 decode 128x256", batch=128, q_len=1, max_pages=16, **H200),
@@ -163,6 +168,10 @@ h200 decode D=256 g=1        decode  triton splits=4   m=16  n=16  warps=4 stage
 h200 verify 8x8192 S=4       verify  triton splits=8   m=16  n=32  warps=4 stages=3 scratch=2129920
 h200 decode 24x4096          decode  triton splits=2   m=16  n=32  warps=4 stages=3 scratch=399360
 h200 verify 32x4096 S=4      verify  triton splits=1   m=16  n=64  warps=4 stages=3 scratch=0
+h200 verify 32x4096 S=2      verify  triton splits=1   m=16  n=64  warps=4 stages=3 scratch=0
+h200 verify 32x4096 S=8      verify  triton splits=1   m=32  n=64  warps=4 stages=3 scratch=0
+h200 verify 8x8192 S=8       verify  triton splits=4   m=32  n=64  warps=4 stages=3 scratch=2129920
+h200 verify 64x2048 S=8      verify  triton splits=1   m=32  n=64  warps=4 stages=3 scratch=0
 h200 decode 49x4096          decode  triton splits=1   m=16  n=64  warps=4 stages=3 scratch=0
 h200 decode 50x4096          decode  triton splits=2   m=16  n=32  warps=4 stages=2 scratch=832000
 h200 decode 64x4096          decode  triton splits=1   m=16  n=32  warps=4 stages=3 scratch=0

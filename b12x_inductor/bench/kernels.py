@@ -2,8 +2,9 @@
 
 Rows (bf16, random page order; each row carries its Shape: Hq, Hkv, D, page size, window, sinks):
 - decode, verify, extend, fp8 (the default rows: Hq=32, Hkv=8, D=128, page 16, no window, no sinks): decode
-  B x L in 1x32768, 8x8192, 32x4096, 64x2048, 128x1024, 16x16384; verify S=4 in 8x8192, 32x4096, 64x2048;
-  extend causal (q_len = kv_len) in 4x4096, 1x16384; the decode rows again with a float8_e4m3fn cache.
+  B x L in 1x32768, 8x8192, 32x4096, 64x2048, 128x1024, 16x16384; verify S=4 in 8x8192, 32x4096, 64x2048,
+  then S=2 and S=8 in the same sizes (labelled 'verify S=2 8x8192': a verify label without S is S=4); extend
+  causal (q_len = kv_len) in 4x4096, 1x16384; the decode rows again with a float8_e4m3fn cache.
 - models (model-shaped rows, labelled with the model shape):
   gpt-oss-120b (Hq 64, Hkv 8, D 64, learned attention sinks: one float32 logit per query head): its
   sliding-window layers ("gpt-oss swa128": window 128, i.e. window_left=127, a query sees itself and the 127
@@ -97,6 +98,8 @@ class Shape:
 DEFAULT_SHAPE = Shape()  # the default rows (--head-dim and --page-size replace d and page)
 DECODE_ROWS = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 1024), (16, 16384)]
 VERIFY_ROWS = [(8, 8192), (32, 4096), (64, 2048)]
+VERIFY_S = 4  # the verify rows' new tokens a request (labels without S), as every run before session 74 timed
+VERIFY_MORE_S = (2, 8)  # then the same sizes at these S (labels with S): speculative decoding's usual range
 EXTEND_ROWS = [(4, 4096), (1, 16384)]
 
 GPT_OSS_SWA = Shape(hq=64, hkv=8, d=64, window_left=127, sinks=True)  # gpt-oss-120b sliding layers (window 128)
@@ -132,10 +135,13 @@ class Row:
 
     @property
     def label(self) -> str:
-        """Default rows: 'decode 8x8192', 'decode-fp8 8x8192', 'extend 1x8192:1024' (new tokens when fewer than
-        the keys), with ' D64' when the head dim is not 128. Model rows: the model tag first, e.g.
-        'gpt-oss swa128 decode 32x4096', 'gemma D256 extend 4x4096', then the note."""
+        """Default rows: 'decode 8x8192', 'decode-fp8 8x8192', 'verify S=8 32x4096' (S when not VERIFY_S),
+        'extend 1x8192:1024' (new tokens when fewer than the keys), with ' D64' when the head dim is not 128.
+        Model rows: the model tag first, e.g. 'gpt-oss swa128 decode 32x4096', 'gemma D256 extend 4x4096', then
+        the note."""
         label = f"{self.mode}{'-fp8' if self.kv_dtype == torch.float8_e4m3fn else ''} {self.batch}x{self.length}"
+        if self.mode == "verify" and self.q_len != VERIFY_S:
+            label = label.replace(" ", f" S={self.q_len} ", 1)
         if self.mode == "extend" and self.q_len != self.length:
             label += f":{self.q_len}"
         if not self.model:
@@ -165,7 +171,8 @@ def build_rows(groups, default_shape=DEFAULT_SHAPE, extend_rows=None, sizes=None
     if "decode" in groups:
         rows += [Row("decode", b, n, 1, bf16, default_shape) for b, n in DECODE_ROWS]
     if "verify" in groups:
-        rows += [Row("verify", b, n, 4, bf16, default_shape) for b, n in VERIFY_ROWS]
+        rows += [Row("verify", b, n, s, bf16, default_shape) for s in (VERIFY_S, *VERIFY_MORE_S)
+                 for b, n in VERIFY_ROWS]
     if "extend" in groups:
         rows += [Row("extend", b, n, q, bf16, default_shape) for b, n, q in extend_rows]
     if "fp8" in groups:
