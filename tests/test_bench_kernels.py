@@ -13,8 +13,8 @@ import torch
 from b12x_inductor.bench import kernels, parse_sizes
 from b12x_inductor.bench import mla as mla_bench
 
-# the default groups' labels as every earlier run printed them (benchmarks/results/kernels_h200.json), and the
-# verify rows at S=2 and S=8 that session 74 added after the S=4 ones
+# the default groups' labels as earlier runs printed them (benchmarks/results/kernels_h200.json), the verify rows
+# at S=2 and S=8 (added later) after the S=4 ones
 DEFAULT_LABELS = [
     "decode 1x32768", "decode 8x8192", "decode 32x4096", "decode 64x2048", "decode 128x1024", "decode 16x16384",
     "verify 8x8192", "verify 32x4096", "verify 64x2048",

@@ -98,7 +98,7 @@ class Shape:
 DEFAULT_SHAPE = Shape()  # the default rows (--head-dim and --page-size replace d and page)
 DECODE_ROWS = [(1, 32768), (8, 8192), (32, 4096), (64, 2048), (128, 1024), (16, 16384)]
 VERIFY_ROWS = [(8, 8192), (32, 4096), (64, 2048)]
-VERIFY_S = 4  # the verify rows' new tokens a request (labels without S), as every run before session 74 timed
+VERIFY_S = 4  # the verify rows' new tokens a request; their labels name no S (as the first runs' labels did)
 VERIFY_MORE_S = (2, 8)  # then the same sizes at these S (labels with S): speculative decoding's usual range
 EXTEND_ROWS = [(4, 4096), (1, 16384)]
 
