@@ -139,9 +139,9 @@ class Row:
         'extend 1x8192:1024' (new tokens when fewer than the keys), with ' D64' when the head dim is not 128.
         Model rows: the model tag first, e.g. 'gpt-oss swa128 decode 32x4096', 'gemma D256 extend 4x4096', then
         the note."""
-        label = f"{self.mode}{'-fp8' if self.kv_dtype == torch.float8_e4m3fn else ''} {self.batch}x{self.length}"
-        if self.mode == "verify" and self.q_len != VERIFY_S:
-            label = label.replace(" ", f" S={self.q_len} ", 1)
+        fp8 = "-fp8" if self.kv_dtype == torch.float8_e4m3fn else ""
+        s = f" S={self.q_len}" if self.mode == "verify" and self.q_len != VERIFY_S else ""
+        label = f"{self.mode}{fp8}{s} {self.batch}x{self.length}"
         if self.mode == "extend" and self.q_len != self.length:
             label += f":{self.q_len}"
         if not self.model:
